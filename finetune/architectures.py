@@ -1,0 +1,39 @@
+"""The real architectures of the recipes' models, kept in the project because there may be no hub to ask.
+
+The JSON files in `model_configs/` are the `config.json` of each hub checkpoint (quantization left out); the planner,
+the benchmark and the tiny-model path read them from here.
+"""
+
+import json
+from pathlib import Path
+
+from transformers import AutoConfig, PretrainedConfig
+
+MODEL_CONFIGS_DIR = Path(__file__).parent / "model_configs"
+
+HUB_ID_TO_ARCHITECTURE = {
+    "meta-llama/Llama-3.2-1B-Instruct": "llama-3.2-1b",
+    "meta-llama/Llama-3.2-1B": "llama-3.2-1b",
+    "meta-llama/Llama-3.2-3B-Instruct": "llama-3.2-3b",
+    "meta-llama/Llama-3.2-3B": "llama-3.2-3b",
+    "openai/gpt-oss-20b": "gpt-oss-20b",
+    "openai/gpt-oss-120b": "gpt-oss-120b",
+}
+
+
+def known_architecture(model_name_or_path: str) -> str | None:
+    """The name of the stored architecture for a hub id or an architecture name, or None when it is not one of ours."""
+    if model_name_or_path in HUB_ID_TO_ARCHITECTURE:
+        return HUB_ID_TO_ARCHITECTURE[model_name_or_path]
+    if (MODEL_CONFIGS_DIR / f"{model_name_or_path}.json").is_file():
+        return model_name_or_path
+    return None
+
+
+def load_architecture(model_name_or_path: str) -> PretrainedConfig:
+    """The model's config, from the stored copies for known models or from a local folder's config.json."""
+    name = known_architecture(model_name_or_path)
+    if name is not None:
+        values = json.loads((MODEL_CONFIGS_DIR / f"{name}.json").read_text())
+        return AutoConfig.for_model(values.pop("model_type"), **values)
+    return AutoConfig.from_pretrained(model_name_or_path)

@@ -1,0 +1,282 @@
+"""The run's configuration: a recipe YAML plus command-line overrides, parsed by TRL and checked before anything loads.
+
+Every user mistake found here ends as a `UserError` whose message is one sentence naming the file, the field and the
+fix; `scripts/sft.py` prints it and exits non-zero without a traceback.
+"""
+
+import dataclasses
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+from finetune import cpu
+from trl import ModelConfig, ScriptArguments, SFTConfig, TrlParser
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+RUN_RECORD = "finetune_run.json"
+SAMPLE_DATA = PROJECT_ROOT / "data" / "sample"
+
+# What `accelerate launch scripts/sft.py` runs with no arguments: the tiny Llama on the bundled sample data.
+DEFAULT_ARGS = [
+    "--config", str(PROJECT_ROOT / "recipes" / "llama-3.2-1b" / "full.yaml"),
+    "--tiny",
+    "--output_dir", time.strftime("outputs/default-%Y%m%d-%H%M%S"),
+    "--num_train_epochs", "3",
+    "--learning_rate", "3e-3",
+    "--per_device_train_batch_size", "16",
+    "--gradient_accumulation_steps", "1",
+    "--logging_steps", "10",
+    "--eval_strategy", "epoch",
+    "--save_strategy", "no",
+    "--sample_prompt", "Count from 3 to 7.",
+]
+
+
+class UserError(Exception):
+    """A mistake in a recipe, flag, config file or dataset, reported as one sentence naming the file, field and fix."""
+
+
+@dataclass
+class FinetuneArguments:
+    tiny: bool = field(
+        default=False,
+        metadata={"help": "Swap the recipe's model for a tiny random model of the same family (tests, CPU smoke runs)."},
+    )
+    experts_implementation: str | None = field(
+        default=None,
+        metadata={"help": "Mixture-of-experts kernel passed to from_pretrained: 'eager', 'batched_mm' or 'grouped_mm'."},
+    )
+    sample_prompt: str | None = field(
+        default=None,
+        metadata={"help": "A user message answered greedily before and after training, to see what was learned."},
+    )
+
+
+@dataclass
+class RunConfig:
+    script: ScriptArguments
+    training: SFTConfig
+    model: ModelConfig
+    finetune: FinetuneArguments
+    recipe_path: str | None
+    explicit_keys: set[str]
+
+
+def _parser() -> TrlParser:
+    return TrlParser((ScriptArguments, SFTConfig, ModelConfig, FinetuneArguments))
+
+
+def _read_recipe(recipe_path: str) -> dict:
+    path = Path(recipe_path)
+    if not path.is_file():
+        raise UserError(f"{recipe_path}: recipe file not found; pass --config with the path of a file under recipes/.")
+    try:
+        recipe = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise UserError(f"{recipe_path}: not valid YAML{where}; fix the syntax there.") from None
+    if not isinstance(recipe, dict):
+        raise UserError(f"{recipe_path}: a recipe must be a YAML mapping of `key: value` lines; rewrite it as one.")
+    return recipe
+
+
+def _coerce_recipe_values(parser: TrlParser, recipe: dict, recipe_path: str) -> dict:
+    """Give each recipe value the type argparse would have given it on the command line.
+
+    TrlParser puts YAML values in as defaults untouched, so `learning_rate: 2e-5` (a string in YAML 1.1) or
+    `lora_r: sixteen` would otherwise reach the trainer as strings and fail deep inside it, or not fail at all.
+    """
+    actions = {action.dest: action for action in parser._actions}
+    coerced = {}
+    for key, value in recipe.items():
+        if key == "env":
+            coerced[key] = value
+            continue
+        action = actions.get(key)
+        if action is None:
+            raise UserError(
+                f"{recipe_path}: unknown key `{key}`; remove it or fix its spelling "
+                f"(the keys are the flags of SFTConfig, ModelConfig, ScriptArguments and finetune's own)."
+            )
+        if value is None or action.type is None or isinstance(value, (dict, list)) and action.nargs is None:
+            coerced[key] = value
+            continue
+        try:
+            if action.nargs in ("+", "*"):
+                values = value if isinstance(value, list) else [value]
+                coerced[key] = [action.type(str(item)) for item in values]
+            else:
+                coerced[key] = action.type(value if isinstance(value, str) else str(value))
+        except (TypeError, ValueError, Exception):
+            type_name = getattr(action.type, "__name__", str(action.type))
+            raise UserError(
+                f"{recipe_path}: `{key}: {value}` is not a valid {type_name}; give it a value of that type."
+            ) from None
+        if action.choices is not None and coerced[key] not in action.choices:
+            raise UserError(
+                f"{recipe_path}: `{key}: {value}` is not one of {sorted(map(str, action.choices))}; pick one of them."
+            )
+    return coerced
+
+
+def _flags_given(argv: list[str]) -> set[str]:
+    return {arg[2:].split("=", 1)[0] for arg in argv if arg.startswith("--")}
+
+
+def parse_args(argv: list[str] | None = None) -> RunConfig:
+    """Parse the recipe and the command line into TRL's dataclasses and finetune's own arguments."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv:
+        argv = list(DEFAULT_ARGS)
+    parser = _parser()
+
+    recipe_path, recipe = None, {}
+    if "--config" in argv:
+        index = argv.index("--config")
+        if index + 1 >= len(argv):
+            raise UserError("command line: --config needs a recipe path; pass --config recipes/MODEL/METHOD.yaml.")
+        recipe_path = argv[index + 1]
+        argv = argv[:index] + argv[index + 2 :]
+        recipe = _coerce_recipe_values(parser, _read_recipe(recipe_path), recipe_path)
+        for key, value in recipe.pop("env", {}).items():
+            os.environ[key] = str(value)
+        parser.set_defaults(**recipe)
+    if cpu.on_cpu():
+        cpu.prepare_cpu_process_group()
+        parser.set_defaults(**cpu.cpu_overrides(recipe))
+
+    unknown = [arg for arg in argv if arg.startswith("--") and arg[2:].split("=", 1)[0] not in _known_dests(parser)]
+    if unknown:
+        raise UserError(f"command line: unknown flag {unknown[0]}; check its spelling with `scripts/sft.py --help`.")
+    try:
+        script, training, model, finetune = parser.parse_args_into_dataclasses(args=argv)
+    except SystemExit:
+        raise UserError("command line: a flag has a missing or invalid value; see the message above for which.") from None
+    except ValueError as error:
+        source = recipe_path or "command line"
+        raise UserError(f"{source}: {_one_sentence(error)}") from None
+    if finetune.tiny and "dataset_name" not in _flags_given(argv) and not Path(script.dataset_name or "").exists():
+        print(f"[finetune] --tiny: training on the bundled {SAMPLE_DATA} instead of {script.dataset_name}", flush=True)
+        script.dataset_name = str(SAMPLE_DATA)
+    return RunConfig(script, training, model, finetune, recipe_path, set(recipe) | _flags_given(argv))
+
+
+def _known_dests(parser: TrlParser) -> set[str]:
+    return {option[2:] for action in parser._actions for option in action.option_strings if option.startswith("--")}
+
+
+def _one_sentence(error: Exception) -> str:
+    text = " ".join(str(error).split())
+    return text if text.endswith(".") else text + "."
+
+
+def check(run: RunConfig) -> None:
+    """Refuse contradictory settings before any model or dataset is loaded."""
+    source = run.recipe_path or "command line"
+    model = run.model
+    lora_keys = sorted(key for key in run.explicit_keys if key.startswith("lora_") or key in ("use_rslora", "use_dora"))
+    if lora_keys and not model.use_peft:
+        raise UserError(
+            f"{source}: `{lora_keys[0]}` is set but `use_peft` is false, so it would be ignored; "
+            f"add `use_peft: true` or drop the LoRA settings."
+        )
+    if model.load_in_4bit and not model.use_peft:
+        raise UserError(f"{source}: `load_in_4bit: true` (QLoRA) trains 4-bit weights only through LoRA; add `use_peft: true`.")
+    if model.load_in_4bit and model.load_in_8bit:
+        raise UserError(f"{source}: `load_in_4bit` and `load_in_8bit` are both true; keep one of them.")
+    strategy = requested_strategy()
+    if model.load_in_4bit and strategy in ("fsdp", "zero3"):
+        raise UserError(
+            f"{os.environ.get('ACCELERATE_CONFIG_FILE', 'the accelerate config')}: QLoRA's 4-bit weights cannot be "
+            f"sharded by {strategy.upper()} here; launch with accelerate_configs/ddp.yaml or zero2.yaml instead."
+        )
+    if model.lora_target_parameters and not _is_mixture_of_experts(model.model_name_or_path):
+        raise UserError(
+            f"{source}: `lora_target_parameters` adapts mixture-of-experts weights, which "
+            f"{model.model_name_or_path} does not have; remove it or use lora_target_modules."
+        )
+    check_output_dir(run)
+
+
+def _is_mixture_of_experts(model_name_or_path: str | None) -> bool:
+    return "gpt-oss" in (model_name_or_path or "").lower() or _local_model_type(model_name_or_path) == "gpt_oss"
+
+
+def _local_model_type(model_name_or_path: str | None) -> str | None:
+    config_file = Path(model_name_or_path or "") / "config.json"
+    if config_file.is_file():
+        return json.loads(config_file.read_text()).get("model_type")
+    return None
+
+
+def requested_strategy() -> str:
+    """What the accelerate config file asked for, from the environment `accelerate launch` sets."""
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+        return "fsdp"
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        config_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+        stage = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")
+        if config_file:
+            stage = str(read_deepspeed_config(config_file).get("zero_optimization", {}).get("stage", stage))
+        return f"zero{stage}"
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return "ddp"
+    return "single"
+
+
+def read_deepspeed_config(config_file: str) -> dict:
+    path = Path(config_file)
+    if not path.is_file():
+        raise UserError(
+            f"{os.environ.get('ACCELERATE_CONFIG_FILE', 'accelerate config')}: deepspeed_config_file {config_file} "
+            f"not found; paths are relative to where you launch, so launch from the project root."
+        )
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise UserError(f"{config_file}: not valid JSON at line {error.lineno}; fix the syntax there.") from None
+
+
+def run_identity(run: RunConfig) -> dict:
+    """What makes two launches the same run, so that a relaunch resumes and a different run is refused."""
+    return {
+        "model_name_or_path": run.model.model_name_or_path,
+        "tiny": run.finetune.tiny,
+        "use_peft": run.model.use_peft,
+        "dataset_name": run.script.dataset_name,
+    }
+
+
+def check_output_dir(run: RunConfig) -> None:
+    """Never write over another run's files: an output folder is either empty, ours to resume, or refused."""
+    output_dir = Path(run.training.output_dir)
+    if not output_dir.exists() or not any(output_dir.iterdir()):
+        return
+    record_file = output_dir / RUN_RECORD
+    if not record_file.is_file():
+        raise UserError(
+            f"{output_dir}: output_dir already holds files that no finetune run wrote; "
+            f"pick an empty --output_dir so nothing there is overwritten."
+        )
+    recorded = json.loads(record_file.read_text())
+    if recorded != run_identity(run):
+        differing = next(key for key, value in run_identity(run).items() if recorded.get(key) != value)
+        raise UserError(
+            f"{output_dir}: output_dir holds another run ({differing} was {recorded.get(differing)!r}, "
+            f"now {run_identity(run)[differing]!r}); pick a new --output_dir, or relaunch that run to resume it."
+        )
+
+
+
+def exit_on_user_error(main) -> None:
+    """Run `main`; a user mistake ends as one line on stderr and exit code 2, without a traceback."""
+    try:
+        main()
+    except UserError as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        sys.exit(2)

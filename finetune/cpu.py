@@ -1,0 +1,49 @@
+"""Everything that changes when there is no GPU, in one place, so that the shipped recipes and accelerate configs
+run unchanged on a CPU machine (CI, laptops) and none of this touches the GPU path.
+
+On CPU the run trains in float32 with the GPU-only kernels swapped for portable ones, and a multi-process launch is
+turned into a gloo process group (accelerate would otherwise start N independent single-process runs).
+"""
+
+import logging
+import os
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# Kernels that exist only on CUDA, and the portable implementation that computes the same thing.
+CPU_ATTENTION = {"flex_attention": "eager", "flash_attention_2": "sdpa", "flash_attention_3": "sdpa", "kernels-community/vllm-flash-attn3": "eager"}
+CPU_EXPERTS = {"grouped_mm": "eager", "batched_mm": "eager"}
+
+
+def on_cpu() -> bool:
+    return not torch.cuda.is_available()
+
+
+def cpu_overrides(values: dict) -> dict:
+    """The recipe values to replace on CPU: float32 training, no GPU-only kernels."""
+    overrides = {"use_cpu": True, "bf16": False, "fp16": False, "dtype": "float32", "use_liger_kernel": False}
+    if values.get("attn_implementation") in CPU_ATTENTION:
+        overrides["attn_implementation"] = CPU_ATTENTION[values["attn_implementation"]]
+    if values.get("experts_implementation") in CPU_EXPERTS:
+        overrides["experts_implementation"] = CPU_EXPERTS[values["experts_implementation"]]
+    if values.get("optim") in ("adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit"):
+        overrides["optim"] = "adamw_torch"
+    changed = {key: value for key, value in overrides.items() if key in values and values[key] != value}
+    if changed:
+        logger.warning("No GPU: running on CPU with %s instead of the recipe's values.", changed)
+    return overrides
+
+
+def prepare_cpu_process_group() -> None:
+    """Make a launch of N processes on a machine without a GPU one distributed run over gloo.
+
+    A GPU-style accelerate config launched with --num_processes N starts N processes, but each one's PartialState
+    reports world size 1 unless the state is created with cpu=True first. Mixed precision is float32 on CPU.
+    """
+    from accelerate import PartialState
+
+    os.environ["ACCELERATE_MIXED_PRECISION"] = "no"
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        PartialState(cpu=True)

@@ -1,0 +1,142 @@
+"""The training data: a hub id, a local folder or a local file, loaded with `datasets` into one of TRL's formats
+(`messages`, `prompt`/`completion`, `text`), and every row checked before a model is loaded.
+
+Chat formatting, tokenization, packing and loss masking are TRL's; this module only finds the data and refuses
+rows TRL would silently mis-train on (an empty assistant turn, a conversation that never lets the assistant speak).
+"""
+
+import logging
+from pathlib import Path
+
+from datasets import Dataset, DatasetDict, load_dataset
+from trl import ScriptArguments, SFTConfig
+
+from finetune.config import UserError
+
+logger = logging.getLogger(__name__)
+
+FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+ROLES = {"system", "developer", "user", "assistant", "tool"}
+EVAL_FRACTION_WHEN_NO_TEST_SPLIT = 0.05
+
+
+def _looks_local(name: str) -> bool:
+    return Path(name).suffix in FILE_BUILDERS or name.startswith((".", "/", "~")) or Path(name).exists()
+
+
+def _load(name: str, config_name: str | None) -> DatasetDict:
+    path = Path(name).expanduser()
+    if _looks_local(name) and not path.exists():
+        raise UserError(f"{name}: dataset file or folder not found; fix --dataset_name (a hub id, folder or file).")
+    if path.is_file():
+        if path.suffix not in FILE_BUILDERS:
+            raise UserError(f"{name}: unsupported dataset file type; use one of {', '.join(FILE_BUILDERS)}.")
+        try:
+            return load_dataset(FILE_BUILDERS[path.suffix], data_files=str(path))
+        except Exception as error:
+            raise UserError(f"{name}: cannot be read as {path.suffix} ({_first_line(error)}); fix that line.") from None
+    try:
+        return load_dataset(str(path) if path.exists() else name, name=config_name)
+    except Exception as error:
+        raise UserError(
+            f"{name}: the dataset could not be loaded ({_first_line(error)}); without network pass a local "
+            f"folder or .jsonl/.json/.parquet/.csv file to --dataset_name."
+        ) from None
+
+
+def _first_line(error: Exception) -> str:
+    return str(error).strip().splitlines()[0].rstrip(".") if str(error).strip() else type(error).__name__
+
+
+def load_datasets(script: ScriptArguments, training: SFTConfig) -> tuple[Dataset, Dataset | None]:
+    """The train split, and the eval split when evaluation is on (carved from train when the data has none)."""
+    if not script.dataset_name:
+        raise UserError("recipe: `dataset_name` is not set; give a hub id, a local folder or a .jsonl file.")
+    splits = _load(script.dataset_name, script.dataset_config)
+    if script.dataset_train_split not in splits:
+        raise UserError(
+            f"{script.dataset_name}: no split named `{script.dataset_train_split}` (it has {sorted(splits)}); "
+            f"set --dataset_train_split to one of them."
+        )
+    train = splits[script.dataset_train_split]
+    check_rows(train, f"{script.dataset_name} [{script.dataset_train_split}]")
+    if training.eval_strategy == "no":
+        return train, None
+    if script.dataset_test_split in splits:
+        evaluation = splits[script.dataset_test_split]
+        check_rows(evaluation, f"{script.dataset_name} [{script.dataset_test_split}]")
+        return train, evaluation
+    logger.warning(
+        "%s has no `%s` split: evaluating on %.0f%% of the train split.",
+        script.dataset_name, script.dataset_test_split, 100 * EVAL_FRACTION_WHEN_NO_TEST_SPLIT,
+    )
+    parts = train.train_test_split(test_size=EVAL_FRACTION_WHEN_NO_TEST_SPLIT, seed=training.seed)
+    return parts["train"], parts["test"]
+
+
+def dataset_format(columns: list[str]) -> str | None:
+    if "messages" in columns:
+        return "messages"
+    if "prompt" in columns and "completion" in columns:
+        return "prompt-completion"
+    if "text" in columns:
+        return "text"
+    return None
+
+
+def check_rows(dataset: Dataset, source: str) -> None:
+    """Refuse the first row that TRL cannot train on correctly, naming its number and what to fix."""
+    data_format = dataset_format(dataset.column_names)
+    if data_format is None:
+        raise UserError(
+            f"{source}: columns {dataset.column_names} match none of TRL's formats; "
+            f"rename them to `messages`, `prompt` + `completion`, or `text`."
+        )
+    if len(dataset) == 0:
+        raise UserError(f"{source}: the split has no rows; point --dataset_name at data with examples.")
+    columns = {"messages": ["messages"], "prompt-completion": ["prompt", "completion"], "text": ["text"]}[data_format]
+    for index, row in enumerate(dataset.select_columns(columns)):
+        problem = _row_problem(row, data_format)
+        if problem:
+            raise UserError(f"{source}: row {index + 1} {problem}.")
+
+
+def _row_problem(row: dict, data_format: str) -> str | None:
+    if data_format == "messages":
+        return _conversation_problem(row["messages"], "messages")
+    if data_format == "text":
+        return None if isinstance(row["text"], str) and row["text"].strip() else "has an empty `text`; remove the row"
+    for column in ("prompt", "completion"):
+        value = row[column]
+        if isinstance(value, list):
+            problem = _turns_problem(value, column)
+        else:
+            problem = None if isinstance(value, str) and value.strip() else f"has an empty `{column}`; fill it or remove the row"
+        if problem:
+            return problem
+    return None
+
+
+def _turns_problem(turns, column: str) -> str | None:
+    if not isinstance(turns, list) or not turns:
+        return f"has an empty `{column}` list; give it at least one turn or remove the row"
+    for position, turn in enumerate(turns, start=1):
+        if not isinstance(turn, dict) or turn.get("role") not in ROLES:
+            role = turn.get("role") if isinstance(turn, dict) else turn
+            return f"turn {position} of `{column}` has role {role!r}; use one of {sorted(ROLES)}"
+        if not isinstance(turn.get("content"), str) or (turn["role"] == "assistant" and not turn["content"].strip()):
+            return f"turn {position} of `{column}` ({turn['role']}) has empty content; fill it or remove the row"
+    return None
+
+
+def _conversation_problem(turns, column: str) -> str | None:
+    problem = _turns_problem(turns, column)
+    if problem:
+        return problem
+    roles = [turn["role"] for turn in turns]
+    if "assistant" not in roles:
+        return f"has no assistant turn in `{column}`, so there is nothing to learn; add one or remove the row"
+    for position, (before, role) in enumerate(zip(["start"] + roles, roles), start=1):
+        if role == "assistant" and before not in ("user", "tool"):
+            return f"turn {position} of `{column}` is an assistant turn after {before!r}; an assistant answers a user or tool turn"
+    return None

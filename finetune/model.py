@@ -1,0 +1,128 @@
+"""Tokenizer, model and LoRA config for a run: a hub id, a local folder, or (with --tiny) a tiny random model of the
+recipe's family written to a local folder, so that all three load through the same `from_pretrained` call.
+"""
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from accelerate import PartialState
+from peft import LoraConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, Mxfp4Config, PreTrainedModel
+from trl import get_peft_config, get_quantization_config
+
+from finetune import cpu, tiny
+from finetune.config import RunConfig, UserError
+
+logger = logging.getLogger(__name__)
+
+LLAMA_3_2_TEMPLATE = tiny.TRL_CHAT_TEMPLATES_DIR / "llama3_2.jinja"
+LLAMA_3_2_TRAINING_TEMPLATE = Path(__file__).parent / "chat_templates" / "llama3_2_training.jinja"
+
+
+def model_family(model_name_or_path: str) -> str:
+    """'llama' or 'gpt-oss': which tiny model stands in for this one, and which chat template it speaks."""
+    config_file = Path(model_name_or_path) / "config.json"
+    if config_file.is_file():
+        model_type = json.loads(config_file.read_text()).get("model_type")
+        return {"gpt_oss": "gpt-oss"}.get(model_type, "llama")
+    return "gpt-oss" if "gpt-oss" in model_name_or_path.lower() else "llama"
+
+
+def resolve_model_path(run: RunConfig) -> str:
+    """The folder or hub id to load: the recipe's model, or its tiny stand-in under --tiny."""
+    name = run.model.model_name_or_path
+    if not name:
+        raise UserError(f"{run.recipe_path or 'command line'}: `model_name_or_path` is not set; give a hub id or a folder.")
+    if run.finetune.tiny:
+        return str(tiny.tiny_model_folder(model_family(name)))
+    if name.startswith((".", "/", "~")) and not Path(name).expanduser().is_dir():
+        raise UserError(f"{name}: model folder not found; fix --model_name_or_path (a hub id or a local folder).")
+    return name
+
+
+def load_tokenizer(model_path: str, assistant_only_loss: bool):
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+    except OSError as error:
+        raise UserError(
+            f"{model_path}: the tokenizer could not be loaded ({str(error).splitlines()[0]}); without network pass "
+            f"a local model folder to --model_name_or_path, or add --tiny."
+        ) from None
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if assistant_only_loss and tokenizer.chat_template == LLAMA_3_2_TEMPLATE.read_text(encoding="utf-8"):
+        # TRL has no Llama 3.2 template with {% generation %} markers; ours renders identically and marks the
+        # assistant's answer and its <|eot_id|>, so the model is trained to stop.
+        tokenizer.chat_template = LLAMA_3_2_TRAINING_TEMPLATE.read_text(encoding="utf-8")
+    return tokenizer
+
+
+def _is_mxfp4_checkpoint(model_path: str) -> bool:
+    config_file = Path(model_path) / "config.json"
+    if config_file.is_file():
+        return (json.loads(config_file.read_text()).get("quantization_config") or {}).get("quant_method") == "mxfp4"
+    return model_family(model_path) == "gpt-oss"  # the hub's GPT-OSS checkpoints store their experts in MXFP4
+
+
+def model_init_kwargs(run: RunConfig, model_path: str) -> dict:
+    kwargs = {
+        "dtype": run.model.dtype or "auto",
+        "attn_implementation": run.model.attn_implementation,
+        "revision": run.model.model_revision,
+        "trust_remote_code": run.training.trust_remote_code,
+        "use_safetensors": True,
+    }
+    if run.finetune.experts_implementation and model_family(model_path) == "gpt-oss":
+        kwargs["experts_implementation"] = run.finetune.experts_implementation
+    quantization = get_quantization_config(run.model)
+    if quantization is not None:
+        kwargs["quantization_config"] = quantization
+        kwargs["device_map"] = {"": "cpu" if cpu.on_cpu() else PartialState().local_process_index}
+    elif _is_mxfp4_checkpoint(model_path):
+        # Training needs the experts in bf16: MXFP4 weights have no gradients.
+        kwargs["quantization_config"] = Mxfp4Config(dequantize=True)
+    return {key: value for key, value in kwargs.items() if value is not None}
+
+
+def load_model(run: RunConfig, model_path: str) -> PreTrainedModel:
+    try:
+        model = AutoModelForCausalLM.from_pretrained(model_path, **model_init_kwargs(run, model_path))
+    except OSError as error:
+        raise UserError(
+            f"{model_path}: the model could not be loaded ({str(error).splitlines()[0]}); without network pass "
+            f"a local model folder to --model_name_or_path, or add --tiny."
+        ) from None
+    model.config.use_cache = False
+    return model
+
+
+def lora_config(run: RunConfig) -> LoraConfig | None:
+    return get_peft_config(run.model)
+
+
+def fix_generation_config(model: PreTrainedModel, tokenizer) -> None:
+    """Make generation stop where the chat template ends an assistant turn, not only at end-of-text."""
+    generation = model.generation_config or GenerationConfig()
+    eos_ids = generation.eos_token_id if isinstance(generation.eos_token_id, list) else [generation.eos_token_id]
+    eos_ids = [token for token in eos_ids if token is not None]
+    if tokenizer.eos_token_id not in eos_ids:
+        eos_ids.insert(0, tokenizer.eos_token_id)
+    generation.eos_token_id = eos_ids
+    generation.pad_token_id = tokenizer.pad_token_id
+    generation.bos_token_id = tokenizer.bos_token_id
+    model.generation_config = generation
+
+
+def answer(model: PreTrainedModel, tokenizer, prompt: str, max_new_tokens: int = 24) -> str:
+    """One greedy answer to a user message, through the chat template the model is trained with."""
+    inputs = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    ).to(model.device)
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        output = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, use_cache=True)
+    model.train(was_training)
+    return tokenizer.decode(output[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True).strip()

@@ -1,0 +1,148 @@
+"""Training: TRL's SFTTrainer, plus what it lacks: a check that what runs is what the accelerate config asked for,
+resume from the output folder, a generation config that stops, a record of the run, and a loss-curve PNG.
+"""
+
+import json
+import logging
+import os
+from pathlib import Path
+
+from torch.distributed.tensor import DTensor
+from transformers import PreTrainedModel, TrainerCallback
+from transformers.trainer_utils import get_last_checkpoint
+from trl import SFTTrainer
+
+from finetune import model as model_loading
+from finetune.config import RUN_RECORD, RunConfig, UserError, requested_strategy, run_identity
+
+logger = logging.getLogger(__name__)
+
+LOSS_PLOT = "loss.png"
+
+
+class SetupMismatch(UserError):
+    """The strategy in place differs from what the accelerate config file asked for."""
+
+
+def describe_setup(trainer: SFTTrainer) -> dict:
+    """What actually runs: world size, distributed type, the wrapper around the model, and the batch sizes."""
+    accelerator = trainer.accelerator
+    wrapped = trainer.model_wrapped
+    setup = {
+        "world_size": accelerator.num_processes,
+        "distributed_type": str(accelerator.distributed_type).split(".")[-1],
+        "wrapper": type(wrapped).__name__,
+        "per_device_batch": trainer.args.per_device_train_batch_size,
+        "global_batch": trainer.args.per_device_train_batch_size
+        * trainer.args.gradient_accumulation_steps
+        * accelerator.num_processes,
+    }
+    if hasattr(wrapped, "zero_optimization_stage"):
+        setup["zero_stage"] = wrapped.zero_optimization_stage()
+    setup["dtensor_parameters"] = any(isinstance(parameter, DTensor) for parameter in trainer.model.parameters())
+    setup["strategy"] = _strategy_of(setup)
+    return setup
+
+
+def _strategy_of(setup: dict) -> str:
+    if "zero_stage" in setup:
+        return f"zero{setup['zero_stage']}"
+    if setup["dtensor_parameters"]:
+        return "fsdp"
+    if setup["wrapper"] == "DistributedDataParallel":
+        return "ddp"
+    return "single" if setup["world_size"] == 1 else "unwrapped"
+
+
+def setup_problem(setup: dict, requested: str, launched_world_size: int) -> str | None:
+    """Why the running setup is not the one asked for, or None when it is."""
+    if setup["world_size"] != launched_world_size:
+        return (
+            f"{launched_world_size} processes were launched but they train as {setup['world_size']} "
+            f"independent run(s) of world size {setup['world_size']}"
+        )
+    if setup["strategy"] != requested:
+        return f"the accelerate config asked for {requested} but {setup['strategy']} is running ({setup['wrapper']})"
+    return None
+
+
+class SetupCheck(TrainerCallback):
+    """Logs the setup once the model is wrapped, and stops the run before step 1 if it is not what was asked for."""
+
+    def __init__(self, trainer: SFTTrainer, config_file: str):
+        self.trainer = trainer
+        self.config_file = config_file
+        self.setup: dict | None = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.setup = describe_setup(self.trainer)
+        if self.trainer.accelerator.is_main_process:
+            print(f"[finetune] setup: {json.dumps(self.setup)}", flush=True)
+        problem = setup_problem(self.setup, requested_strategy(), int(os.environ.get("WORLD_SIZE", "1")))
+        if problem:
+            raise SetupMismatch(
+                f"{self.config_file}: {problem}; fix distributed_type/num_processes in that file or launch with the "
+                f"config that matches what you want."
+            )
+
+
+def build_trainer(run: RunConfig, model: PreTrainedModel, tokenizer, train_set, eval_set) -> SFTTrainer:
+    model_loading.fix_generation_config(model, tokenizer)
+    trainer = SFTTrainer(
+        model=model,
+        args=run.training,
+        train_dataset=train_set,
+        eval_dataset=eval_set,
+        processing_class=tokenizer,
+        peft_config=model_loading.lora_config(run),
+    )
+    trainer.add_callback(SetupCheck(trainer, os.environ.get("ACCELERATE_CONFIG_FILE", "accelerate config")))
+    return trainer
+
+
+def last_checkpoint(output_dir: str) -> str | None:
+    return get_last_checkpoint(output_dir) if Path(output_dir).is_dir() else None
+
+
+def train_and_save(trainer: SFTTrainer, run: RunConfig, tokenizer) -> None:
+    output_dir = run.training.output_dir
+    resume_from = run.training.resume_from_checkpoint or last_checkpoint(output_dir)
+    is_main = trainer.accelerator.is_main_process
+    if is_main:
+        Path(output_dir).mkdir(parents=True, exist_ok=True)
+        (Path(output_dir) / RUN_RECORD).write_text(json.dumps(run_identity(run), indent=2) + "\n")
+        if resume_from:
+            print(f"[finetune] resuming from {resume_from}", flush=True)
+    show_answers = run.finetune.sample_prompt and trainer.accelerator.num_processes == 1
+    if show_answers:
+        before = model_loading.answer(trainer.model, tokenizer, run.finetune.sample_prompt)
+    trainer.train(resume_from_checkpoint=resume_from)
+    trainer.save_model(output_dir)
+    if is_main:
+        losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+        if losses:
+            print(f"[finetune] train loss: {' -> '.join(f'{loss:.3f}' for loss in losses)}", flush=True)
+        save_loss_plot(trainer.state.log_history, Path(output_dir) / LOSS_PLOT)
+        if show_answers:
+            after = model_loading.answer(trainer.model, tokenizer, run.finetune.sample_prompt)
+            print(f"[finetune] {run.finetune.sample_prompt!r}\n  before training: {before!r}\n  after training:  {after!r}")
+        print(f"[finetune] saved to {output_dir}", flush=True)
+
+
+def save_loss_plot(log_history: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(6, 4))
+    for key, label in (("loss", "train"), ("eval_loss", "eval")):
+        points = [(entry["step"], entry[key]) for entry in log_history if key in entry]
+        if points:
+            axes.plot(*zip(*points), marker="o" if key == "eval_loss" else None, label=label)
+    axes.set_xlabel("step")
+    axes.set_ylabel("loss")
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
