@@ -25,7 +25,7 @@ DEFAULT_ARGS = [
     "--config", str(PROJECT_ROOT / "recipes" / "llama-3.2-1b" / "full.yaml"),
     "--tiny",
     "--output_dir", time.strftime("outputs/default-%Y%m%d-%H%M%S"),
-    "--num_train_epochs", "3",
+    "--num_train_epochs", "12",
     "--learning_rate", "3e-3",
     "--per_device_train_batch_size", "16",
     "--gradient_accumulation_steps", "1",
@@ -179,20 +179,20 @@ def check(run: RunConfig) -> None:
     """Refuse contradictory settings before any model or dataset is loaded."""
     source = run.recipe_path or "command line"
     model = run.model
+    if model.load_in_4bit and not model.use_peft:
+        raise UserError(f"{source}: `load_in_4bit: true` (QLoRA) trains 4-bit weights only through LoRA; add `use_peft: true`.")
     lora_keys = sorted(key for key in run.explicit_keys if key.startswith("lora_") or key in ("use_rslora", "use_dora"))
     if lora_keys and not model.use_peft:
         raise UserError(
             f"{source}: `{lora_keys[0]}` is set but `use_peft` is false, so it would be ignored; "
             f"add `use_peft: true` or drop the LoRA settings."
         )
-    if model.load_in_4bit and not model.use_peft:
-        raise UserError(f"{source}: `load_in_4bit: true` (QLoRA) trains 4-bit weights only through LoRA; add `use_peft: true`.")
     if model.load_in_4bit and model.load_in_8bit:
         raise UserError(f"{source}: `load_in_4bit` and `load_in_8bit` are both true; keep one of them.")
     strategy = requested_strategy()
     if model.load_in_4bit and strategy in ("fsdp", "zero3"):
         raise UserError(
-            f"{os.environ.get('ACCELERATE_CONFIG_FILE', 'the accelerate config')}: QLoRA's 4-bit weights cannot be "
+            f"{accelerate_config_file()}: QLoRA's 4-bit weights cannot be "
             f"sharded by {strategy.upper()} here; launch with accelerate_configs/ddp.yaml or zero2.yaml instead."
         )
     if model.lora_target_parameters and not _is_mixture_of_experts(model.model_name_or_path):
@@ -229,11 +229,25 @@ def requested_strategy() -> str:
     return "single"
 
 
+def accelerate_config_file() -> str:
+    """The --config_file `accelerate launch` was given, read from the launcher's command line, for error messages."""
+    try:
+        launcher_args = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode().split("\0")
+    except OSError:
+        return "the accelerate config file"
+    for index, arg in enumerate(launcher_args[:-1]):
+        if arg == "--config_file":
+            return launcher_args[index + 1]
+        if arg.startswith("--config_file="):
+            return arg.split("=", 1)[1]
+    return "the default accelerate config (`accelerate config`)"
+
+
 def read_deepspeed_config(config_file: str) -> dict:
     path = Path(config_file)
     if not path.is_file():
         raise UserError(
-            f"{os.environ.get('ACCELERATE_CONFIG_FILE', 'accelerate config')}: deepspeed_config_file {config_file} "
+            f"{accelerate_config_file()}: deepspeed_config_file {config_file} "
             f"not found; paths are relative to where you launch, so launch from the project root."
         )
     try:

@@ -13,7 +13,7 @@ from transformers.trainer_utils import get_last_checkpoint
 from trl import SFTTrainer
 
 from finetune import model as model_loading
-from finetune.config import RUN_RECORD, RunConfig, UserError, requested_strategy, run_identity
+from finetune.config import RUN_RECORD, RunConfig, UserError, accelerate_config_file, requested_strategy, run_identity
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ def build_trainer(run: RunConfig, model: PreTrainedModel, tokenizer, train_set, 
         processing_class=tokenizer,
         peft_config=model_loading.lora_config(run),
     )
-    trainer.add_callback(SetupCheck(trainer, os.environ.get("ACCELERATE_CONFIG_FILE", "accelerate config")))
+    trainer.add_callback(SetupCheck(trainer, accelerate_config_file()))
     return trainer
 
 

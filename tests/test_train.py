@@ -1,0 +1,148 @@
+"""Single-process training through the real `accelerate launch`: every recipe, saving, reloading, resuming, merging."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, launch_sft, printed_losses, printed_setup
+
+RECIPES = sorted(ROOT.glob("recipes/*/*.yaml"))
+
+# Runs in a fresh process: loads what a run saved the way a user would, and reports what it found.
+RELOAD = r"""
+import json, sys
+from pathlib import Path
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+output = Path(sys.argv[1])
+tokenizer = AutoTokenizer.from_pretrained(output)
+report = {"chat_template": bool(tokenizer.chat_template)}
+if (output / "adapter_config.json").is_file():
+    from peft import PeftModel
+    base_path = json.loads((output / "adapter_config.json").read_text())["base_model_name_or_path"]
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_path), output)
+    lora_b = [p for n, p in model.named_parameters() if "lora_B" in n]
+    report.update(kind="adapter", adapted_tensors=len(lora_b), trained=any(bool(p.abs().sum() > 0) for p in lora_b),
+                  expert_adapters=sum("experts" in n for n, _ in model.named_parameters() if "lora_" in n))
+    generation = model.base_model.model.generation_config
+else:
+    model = AutoModelForCausalLM.from_pretrained(output)
+    base_path = model.config._name_or_path
+    initial = AutoModelForCausalLM.from_pretrained(sys.argv[2])
+    initial_state = initial.state_dict()
+    report.update(kind="full", trained=any(not torch.equal(t, initial_state[k]) for k, t in model.state_dict().items()))
+    generation = model.generation_config
+eos = generation.eos_token_id if isinstance(generation.eos_token_id, list) else [generation.eos_token_id]
+report["stops_at_eos"] = tokenizer.eos_token_id in eos
+print(json.dumps(report))
+"""
+
+
+def reload_in_fresh_process(output_dir: Path, initial_model: Path) -> dict:
+    result = subprocess.run(
+        [sys.executable, "-c", RELOAD, str(output_dir), str(initial_model)], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def tiny_folder(tiny_model_cache: Path, recipe: Path) -> Path:
+    family = "gpt-oss" if "gpt-oss" in recipe.parent.name else "llama"
+    return next(tiny_model_cache.glob(f"{family}-*"))
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda path: f"{path.parent.name}/{path.stem}")
+def test_every_recipe_trains_tiny_on_cpu_and_its_output_reloads_in_a_fresh_process(recipe, tmp_path, tiny_model_cache):
+    output_dir = tmp_path / "out"
+    result = launch_sft("--config", str(recipe), "--tiny", "--output_dir", str(output_dir), "--max_steps", "30")
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    losses = printed_losses(result.stdout)
+    assert len(losses) == 3 and losses[-1] < losses[0]
+    assert printed_setup(result.stdout)["strategy"] == "single"
+    assert (output_dir / "loss.png").stat().st_size > 1000
+
+    report = reload_in_fresh_process(output_dir, tiny_folder(tiny_model_cache, recipe))
+    assert report["trained"] and report["chat_template"] and report["stops_at_eos"]
+    if "lora" in recipe.stem:
+        assert report["kind"] == "adapter" and report["adapted_tensors"] > 0
+        if "gpt-oss" in recipe.parent.name:
+            assert report["expert_adapters"] > 0, "the GPT-OSS recipe adapts the experts through target_parameters"
+    else:
+        assert report["kind"] == "full"
+
+
+def test_no_arguments_trains_the_tiny_llama_on_sample_data_and_answers_before_and_after(tmp_path):
+    result = launch_sft(cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    losses = printed_losses(result.stdout)
+    assert losses[-1] < 0.5 * losses[0], losses
+    assert "before training:" in result.stdout and "after training:" in result.stdout
+    (output_dir,) = (tmp_path / "outputs").glob("default-*")
+    assert (output_dir / "model.safetensors").is_file() and (output_dir / "loss.png").is_file()
+
+
+def test_relaunch_with_the_same_output_dir_resumes_from_the_last_checkpoint(tmp_path):
+    recipe = str(ROOT / "recipes" / "llama-3.2-1b" / "lora.yaml")
+    output_dir = tmp_path / "out"
+    common = ("--config", recipe, "--tiny", "--output_dir", str(output_dir), "--save_steps", "4", "--logging_steps", "1")
+    first = launch_sft(*common, "--max_steps", "8")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "resuming from" not in first.stdout
+
+    second = launch_sft(*common, "--max_steps", "12")
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert f"resuming from {output_dir / 'checkpoint-8'}" in second.stdout
+    state = json.loads((output_dir / "checkpoint-12" / "trainer_state.json").read_text())
+    assert state["global_step"] == 12
+    assert len(printed_losses(second.stdout)) == 12, "the resumed run's log history holds all steps, old and new"
+
+
+def test_report_to_tensorboard_writes_event_files(tmp_path):
+    output_dir = tmp_path / "out"
+    result = launch_sft(
+        "--config", str(ROOT / "recipes" / "llama-3.2-1b" / "lora.yaml"), "--tiny", "--output_dir", str(output_dir),
+        "--max_steps", "3", "--report_to", "tensorboard", "--logging_dir", str(tmp_path / "tb"),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert list((tmp_path / "tb").rglob("events.out.tfevents.*"))
+
+
+def test_merged_lora_model_loads_without_peft_and_matches_the_adapter(tmp_path, tiny_model_cache):
+    adapter_dir, merged_dir = tmp_path / "adapter", tmp_path / "merged"
+    trained = launch_sft(
+        "--config", str(ROOT / "recipes" / "llama-3.2-1b" / "lora.yaml"), "--tiny", "--output_dir", str(adapter_dir),
+        "--max_steps", "5", "--learning_rate", "1e-2",
+    )
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    merged = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "merge_lora.py"), str(adapter_dir), str(merged_dir)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert merged.returncode == 0, merged.stderr[-3000:]
+    compare = subprocess.run(
+        [sys.executable, "-c", COMPARE_MERGED, str(adapter_dir), str(merged_dir)], capture_output=True, text=True, timeout=300
+    )
+    assert compare.returncode == 0, compare.stderr[-3000:]
+    difference, adapter_effect = map(float, compare.stdout.split())
+    assert adapter_effect > 1e-3, "the adapter changes the outputs, so the comparison means something"
+    assert difference < 1e-4
+
+
+COMPARE_MERGED = r"""
+import json, sys
+import torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+adapter_dir, merged_dir = sys.argv[1:]
+base_path = json.load(open(f"{adapter_dir}/adapter_config.json"))["base_model_name_or_path"]
+ids = torch.arange(3, 40).unsqueeze(0)
+base = AutoModelForCausalLM.from_pretrained(base_path)
+base_logits = base(ids).logits
+adapted = PeftModel.from_pretrained(base, adapter_dir)(ids).logits
+merged = AutoModelForCausalLM.from_pretrained(merged_dir)(ids).logits
+print(float((adapted - merged).abs().max()), float((adapted - base_logits).abs().max()))
+"""
