@@ -105,10 +105,10 @@ def test_report_to_tensorboard_writes_event_files(tmp_path):
     output_dir = tmp_path / "out"
     result = launch_sft(
         "--config", str(ROOT / "recipes" / "llama-3.2-1b" / "lora.yaml"), "--tiny", "--output_dir", str(output_dir),
-        "--max_steps", "3", "--report_to", "tensorboard", "--logging_dir", str(tmp_path / "tb"),
+        "--max_steps", "3", "--report_to", "tensorboard",
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert list((tmp_path / "tb").rglob("events.out.tfevents.*"))
+    assert list((output_dir / "runs").rglob("events.out.tfevents.*"))
 
 
 def test_merged_lora_model_loads_without_peft_and_matches_the_adapter(tmp_path, tiny_model_cache):

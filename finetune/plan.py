@@ -1,0 +1,675 @@
+"""Which technique (DDP, FSDP2, ZeRO-2, ZeRO-3, ZeRO-3 offload) on which GPUs: a per-GPU peak-memory model.
+
+`finetune plan --config recipes/X.yaml --gpus 8 --gpu H100` reads the recipe and the model's architecture (the
+project's copy of the hub config, or a local folder's config.json), estimates the peak memory of one GPU for each
+technique, and picks the cheapest one that fits with a safety margin. Only json/yaml are imported here, never torch
+or transformers: the answer comes in well under a second.
+
+How the peak is built (all per GPU, bytes), see docs/planner.md for the measurements behind the constants:
+
+    static    = weights + optimizer states (+ DDP gradient buckets, + fp32 master copies where the technique keeps them)
+    backward  = max(activations saved by the forward + head gradients + one layer's backward transients,
+                    all gradients                                      + one layer's backward transients)
+    allocated = static + backward + gathered layers (FSDP/ZeRO-3) + LM-head loss buffers
+    reserved  = allocated * allocator fragmentation
+    per GPU   = reserved + fixed CUDA context / NCCL / cuBLAS overhead (outside PyTorch's allocator)
+
+Gradients are not counted on top of the full activations: `optimizer.zero_grad(set_to_none=True)` frees them before
+each step, and backward creates a layer's gradients while it frees that layer's saved activations, so the two grow
+and shrink against each other and the peak is at one end of the backward pass.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shlex
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+GIB = 1024**3
+MODEL_CONFIGS_DIR = Path(__file__).parent / "model_configs"
+
+# Same mapping as finetune.architectures.HUB_ID_TO_ARCHITECTURE (a test keeps them equal). It is repeated here
+# because importing that module imports transformers, which alone takes seconds.
+HUB_ID_TO_ARCHITECTURE = {
+    "meta-llama/Llama-3.2-1B-Instruct": "llama-3.2-1b",
+    "meta-llama/Llama-3.2-1B": "llama-3.2-1b",
+    "meta-llama/Llama-3.2-3B-Instruct": "llama-3.2-3b",
+    "meta-llama/Llama-3.2-3B": "llama-3.2-3b",
+    "openai/gpt-oss-20b": "gpt-oss-20b",
+    "openai/gpt-oss-120b": "gpt-oss-120b",
+}
+
+# name: (marketing GB, GiB that PyTorch can see on the card: nvidia-smi's total)
+KNOWN_GPUS = {
+    "A10": (24, 22.5),
+    "L4": (24, 22.5),
+    "A100-40": (40, 40.0),
+    "A100-80": (80, 80.0),
+    "H100": (80, 79.6),
+    "H200": (141, 140.4),
+    "B200": (180, 179.0),
+}
+GPU_ALIASES = {"A100": "A100-80", "A100-40GB": "A100-40", "A100-80GB": "A100-80", "H100-80": "H100", "H200-141": "H200"}
+
+# ---- Calibration constants (each named for what it stands for; docs/planner.md shows the measurements) -------------
+SAFETY_MARGIN = 0.90  # a plan fits when its per-GPU peak is at most 90% of the card: allocator spikes, longer rows
+FRAGMENTATION = 1.04  # max_memory_reserved / max_memory_allocated of PyTorch's caching allocator (measured 1.00-1.14)
+CUDA_CONTEXT_GIB = 0.6  # CUDA context + cuBLAS/cuDNN workspaces: outside the allocator, per process
+NCCL_GIB = 0.75  # NCCL communicator buffers when more than one process talks
+CHUNKED_LOGPROB_TOKENS = 4096  # TRL's fused LM head: tokens per tile (trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE)
+CHUNKED_LOGPROB_VOCAB = 32768  # ... and vocabulary columns per tile (trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE)
+DS_BUCKET_ELEMENTS_PER_H2 = 1.0  # accelerate's "auto" reduce_bucket_size = hidden^2 (ZeRO), in elements
+DS_PREFETCH_PER_H2 = 0.9  # accelerate's "auto" stage3_prefetch_bucket_size = 0.9 * hidden^2
+
+BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+# ---- Architecture ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Architecture:
+    name: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int  # dense MLP width, or one expert's width for MoE
+    vocab: int
+    tied_embeddings: bool
+    attention_bias: bool = False
+    experts: int = 0  # 0: dense MLP
+    experts_per_token: int = 0
+
+    @property
+    def attn_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @property
+    def is_moe(self) -> bool:
+        return self.experts > 0
+
+
+def architecture_from_config(values: dict, name: str = "") -> Architecture:
+    """The few numbers the planner needs, from a config.json's values."""
+    text = values.get("text_config", values)
+    hidden = text["hidden_size"]
+    heads = text["num_attention_heads"]
+    experts = text.get("num_local_experts") or text.get("num_experts") or 0
+    return Architecture(
+        name=name or text.get("model_type", "model"),
+        hidden=hidden,
+        layers=text["num_hidden_layers"],
+        heads=heads,
+        kv_heads=text.get("num_key_value_heads") or heads,
+        head_dim=text.get("head_dim") or hidden // heads,
+        intermediate=text.get("moe_intermediate_size") or text["intermediate_size"],
+        vocab=text["vocab_size"],
+        tied_embeddings=bool(values.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+        attention_bias=bool(text.get("attention_bias", False)),
+        experts=experts,
+        experts_per_token=(text.get("num_experts_per_tok") or text.get("experts_per_token") or 0) if experts else 0,
+    )
+
+
+def load_architecture(model_name_or_path: str) -> Architecture:
+    """From the project's copy of a known hub config, or from a local folder's config.json. Never downloads."""
+    name = HUB_ID_TO_ARCHITECTURE.get(model_name_or_path, model_name_or_path)
+    stored = MODEL_CONFIGS_DIR / f"{name}.json"
+    if stored.is_file():
+        return architecture_from_config(json.loads(stored.read_text()), name)
+    local = Path(model_name_or_path) / "config.json"
+    if local.is_file():
+        return architecture_from_config(json.loads(local.read_text()), Path(model_name_or_path).name)
+    raise ValueError(
+        f"Unknown model {model_name_or_path!r}: not one of {sorted(HUB_ID_TO_ARCHITECTURE)} and no config.json there."
+    )
+
+
+# ---- Parameter counts --------------------------------------------------------------------------------------------
+def attention_params(a: Architecture) -> dict[str, int]:
+    """Per decoder layer: input features x output features (+ bias) of q, k, v, o."""
+    bias = 1 if a.attention_bias else 0
+    shapes = {
+        "q_proj": (a.hidden, a.attn_dim),
+        "k_proj": (a.hidden, a.kv_dim),
+        "v_proj": (a.hidden, a.kv_dim),
+        "o_proj": (a.attn_dim, a.hidden),
+    }
+    return {k: i * o + bias * o for k, (i, o) in shapes.items()}
+
+
+def mlp_params(a: Architecture) -> dict[str, int]:
+    """Per decoder layer. Dense: gate, up, down. MoE (GPT-OSS layout): router + every expert's fused gate_up and down."""
+    if not a.is_moe:
+        return {n: a.hidden * a.intermediate for n in ("gate_proj", "up_proj", "down_proj")}
+    e, h, i = a.experts, a.hidden, a.intermediate
+    return {
+        "router": h * e + e,
+        "experts.gate_up_proj": e * h * 2 * i + e * 2 * i,
+        "experts.down_proj": e * i * h + e * h,
+    }
+
+
+def layer_params(a: Architecture) -> int:
+    norms = 2 * a.hidden
+    sinks = a.heads if a.is_moe else 0  # GPT-OSS's per-head attention sinks
+    return sum(attention_params(a).values()) + sum(mlp_params(a).values()) + norms + sinks
+
+
+def embedding_params(a: Architecture) -> int:
+    """Input embedding + LM head (one matrix when tied) + final norm."""
+    return a.vocab * a.hidden * (1 if a.tied_embeddings else 2) + a.hidden
+
+
+def total_params(a: Architecture) -> int:
+    return a.layers * layer_params(a) + embedding_params(a)
+
+
+def linear_params_per_layer(a: Architecture) -> int:
+    """Weights that bitsandbytes quantizes to 4 bit: the decoder layers' nn.Linear weights (not MoE's 3-D experts)."""
+    attn = sum(i * o for i, o in ((a.hidden, a.attn_dim), (a.hidden, a.kv_dim), (a.hidden, a.kv_dim), (a.attn_dim, a.hidden)))
+    return attn + (0 if a.is_moe else 3 * a.hidden * a.intermediate)
+
+
+# ---- Recipe settings ---------------------------------------------------------------------------------------------
+ALL_LINEAR_DENSE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class Setup:
+    """What the recipe (plus command-line overrides) says, in the planner's terms."""
+
+    model: str
+    method: str = "full"  # full | lora | qlora
+    lora_r: int = 16
+    lora_dropout: float = 0.05
+    lora_target_modules: tuple[str, ...] = ()
+    lora_target_parameters: tuple[str, ...] = ()
+    max_length: int = 1024
+    batch: int = 8
+    gradient_checkpointing: bool = False
+    optim: str = "adamw_torch_fused"
+    dtype: str = "float32"  # TRL loads in float32 unless the recipe says otherwise
+    bf16: bool = True
+    use_liger_kernel: bool = False
+    attn_implementation: str = "sdpa"
+
+    @property
+    def tokens(self) -> int:
+        return self.max_length * self.batch
+
+
+def _as_bool(value) -> bool:
+    if isinstance(value, str):
+        return value.strip().lower() in ("1", "true", "yes", "on")
+    return bool(value)
+
+
+def _as_tuple(value) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    return tuple(str(v) for v in value)
+
+
+def setup_from_recipe(values: dict) -> Setup:
+    peft = _as_bool(values.get("use_peft", False))
+    four_bit = _as_bool(values.get("load_in_4bit", False))
+    method = "qlora" if four_bit and peft else ("lora" if peft else "full")
+    targets = _as_tuple(values.get("lora_target_modules"))
+    dtype = values.get("dtype") or values.get("torch_dtype") or "float32"
+    return Setup(
+        model=str(values["model_name_or_path"]),
+        method=method,
+        lora_r=int(values.get("lora_r", 16)),
+        lora_dropout=float(values.get("lora_dropout", 0.05)),
+        lora_target_modules=targets,
+        lora_target_parameters=_as_tuple(values.get("lora_target_parameters")),
+        max_length=int(values.get("max_length") or 1024),
+        batch=int(values.get("per_device_train_batch_size", 8)),
+        gradient_checkpointing=_as_bool(values.get("gradient_checkpointing", False)),
+        optim=str(values.get("optim", "adamw_torch_fused")),
+        dtype="bfloat16" if dtype == "auto" else str(dtype),
+        bf16=_as_bool(values.get("bf16", True)),
+        use_liger_kernel=_as_bool(values.get("use_liger_kernel", False)),
+        attn_implementation=str(values.get("attn_implementation") or "sdpa"),
+    )
+
+
+def _parse_value(text: str):
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_overrides(argv: list[str]) -> dict:
+    """`--max_length 4096 --gradient_checkpointing false --lora_target_modules q_proj v_proj` -> a dict."""
+    out, key = {}, None
+    for token in argv:
+        if token.startswith("--"):
+            key, _, inline = token[2:].partition("=")
+            key = key.replace("-", "_")
+            out[key] = _parse_value(inline) if inline else True
+            if inline:
+                key = None
+        elif key is not None:
+            prev = out[key]
+            value = _parse_value(token)
+            out[key] = value if prev is True else (list(prev) if isinstance(prev, list) else [prev]) + [value]
+    return out
+
+
+def read_recipe(path: str | Path, overrides: dict | None = None) -> dict:
+    import yaml  # a flat YAML file, as trl.TrlParser reads it
+
+    values = yaml.safe_load(Path(path).read_text()) or {}
+    values.update(overrides or {})
+    return values
+
+
+# ---- Trainable parameters ----------------------------------------------------------------------------------------
+def lora_targets(a: Architecture, s: Setup) -> dict[str, tuple[int, int]]:
+    """The adapted nn.Linear modules of one layer: name -> (in_features, out_features)."""
+    shapes = {
+        "q_proj": (a.hidden, a.attn_dim),
+        "k_proj": (a.hidden, a.kv_dim),
+        "v_proj": (a.hidden, a.kv_dim),
+        "o_proj": (a.attn_dim, a.hidden),
+    }
+    if not a.is_moe:
+        shapes |= {"gate_proj": (a.hidden, a.intermediate), "up_proj": (a.hidden, a.intermediate),
+                   "down_proj": (a.intermediate, a.hidden)}
+    targets = s.lora_target_modules or ("q_proj", "v_proj")  # peft's default for Llama-like models
+    if "all-linear" in targets:
+        return shapes
+    return {n: shapes[n] for n in shapes if any(t == n or t.endswith("." + n) for t in targets)}
+
+
+def lora_expert_targets(a: Architecture, s: Setup) -> dict[str, tuple[int, int]]:
+    """Adapted 3-D expert parameters (peft target_parameters): name -> (in, out) of one expert."""
+    if not a.is_moe:
+        return {}
+    shapes = {"gate_up_proj": (a.hidden, 2 * a.intermediate), "down_proj": (a.intermediate, a.hidden)}
+    return {n: shapes[n] for n in shapes if any(t.endswith(n) for t in s.lora_target_parameters)}
+
+
+def trainable_params(a: Architecture, s: Setup) -> int:
+    if s.method == "full":
+        return total_params(a)
+    r = s.lora_r
+    per_layer = sum(r * (i + o) for i, o in lora_targets(a, s).values())
+    per_layer += sum(a.experts * r * (i + o) for i, o in lora_expert_targets(a, s).values())
+    return a.layers * per_layer
+
+
+def trainable_bytes(s: Setup, technique: str) -> int:
+    """Storage dtype of the trained parameters (and so of their gradients and Adam states)."""
+    if s.method == "full":
+        # FSDP2 in accelerate upcasts trainable low-precision parameters to fp32 for mixed precision.
+        return 4 if technique == "fsdp2" else BYTES.get(s.dtype, 4)
+    if s.method == "qlora" or technique in ("zero3", "zero3_offload"):
+        return 2  # TRL casts QLoRA adapters to bf16; with ZeRO-3 it asks peft not to upcast them
+    return 4  # peft upcasts LoRA adapters to fp32 (autocast_adapter_dtype=True)
+
+
+def frozen_weight_bytes(a: Architecture, s: Setup) -> float:
+    """Storage of the base model's weights. QLoRA: nf4 packs two weights per byte, plus one fp32 absmax per 64."""
+    params = total_params(a)
+    dtype_bytes = BYTES.get(s.dtype, 4)
+    if s.method != "qlora":
+        return params * dtype_bytes
+    quantized = a.layers * linear_params_per_layer(a)
+    return quantized * (0.5 + 4 / 64) + (params - quantized) * dtype_bytes
+
+
+def optimizer_bytes_per_param(s: Setup, param_bytes: int) -> float:
+    """Adam keeps two states (exp_avg, exp_avg_sq) in the parameter's dtype; 8-bit Adam keeps one byte each."""
+    name = s.optim.lower()
+    if "8bit" in name:
+        return 2 + 8 / 2048  # + block-wise fp32 absmax
+    if name.startswith("adafactor"):
+        return 0.1 * param_bytes  # factored second moment: rows + columns, small
+    if name.startswith("sgd"):
+        return 0
+    return 2 * param_bytes
+
+
+# ---- Activations ------------------------------------------------------------------------------------------------
+def layer_activation_bytes_per_token(a: Architecture, s: Setup) -> float:
+    """Bytes a decoder layer saves for backward, per token, without checkpointing.
+
+    Dense (Llama), counted with saved-tensor hooks on CPU and confirmed on the H200 within 0.2%:
+    8*i (gate, up, silu(gate), silu*up in bf16) + 16*h + 4*attn (the RMSNorms keep fp32 copies of their inputs; q, attention
+    output, residuals) + 4*kv (k, v) + 4*heads (fp32 logsumexp of the fused attention) + 8 (two fp32 rstd).
+    Liger's SwiGLU recomputes silu(gate) and silu*up in backward: 4*i fewer.
+    Frozen base (LoRA, QLoRA): the inputs kept only for weight gradients go (down_proj's input, the norms' and
+    o_proj's inputs: 2*i + 8*h, measured); each adapted module with lora_dropout > 0 keeps its dropout output (bf16
+    under autocast) and a bool mask: 3 bytes per input feature. With dropout 0 the adapter reads the same tensor.
+    MoE (GPT-OSS): the attention part as above with its wider attention, then per *active* expert and token the
+    routed input, gate_up output and the clamped SwiGLU's intermediates (5*h + 8*i, fitted to GPT-OSS-20B), the
+    router's fp32 logits and the weighted sum.
+    """
+    h, i = a.hidden, a.intermediate
+    attention = 16 * h + 4 * a.attn_dim + 4 * a.kv_dim + 4 * a.heads + 8
+    if a.is_moe:
+        mlp = a.experts_per_token * (5 * h + 8 * i) + 4 * a.experts + 8 * h
+    else:
+        mlp = (4 if s.use_liger_kernel else 8) * i
+    lora = 0.0
+    if s.method != "full":
+        if not a.is_moe:
+            lora -= 2 * i + 8 * h
+        for in_features, _ in lora_targets(a, s).values():
+            if s.lora_dropout > 0:
+                lora += in_features * 3
+            lora += s.lora_r * 2  # lora_A's output
+    if s.attn_implementation == "eager":
+        attention += 2 * a.heads * s.max_length * 2  # softmax probabilities (and their bf16 copy), per query
+    return attention + mlp + lora
+
+
+def adapted_expert_weight_bytes(a: Architecture, s: Setup) -> float:
+    """peft's ParamWrapper adds B@A to a 3-D expert weight in the forward: the merged weight is saved per layer."""
+    return sum(a.experts * i * o * 2 for i, o in lora_expert_targets(a, s).values())
+
+
+def activation_bytes(a: Architecture, s: Setup) -> dict[str, float]:
+    """Saved for backward at the end of the forward, one layer's recomputation (checkpointing), backward transients."""
+    tokens = s.tokens
+    per_layer = layer_activation_bytes_per_token(a, s) * tokens + adapted_expert_weight_bytes(a, s)
+    outside = tokens * (6 * a.hidden + 8)  # embedding output, final norm's fp32 copy, hidden into the LM head
+    if s.gradient_checkpointing:
+        # Each layer keeps only its input (bf16); in backward one layer at a time is recomputed.
+        inputs = a.layers * tokens * 2 * a.hidden
+        saved, recompute = inputs + outside, per_layer
+    else:
+        inputs, saved, recompute = 0.0, a.layers * per_layer + outside, 0.0
+    # Backward through one layer holds the gradients of its activations: i-wide ones around the MLP (per active
+    # expert for MoE) and h-wide ones, some fp32, around the norms and attention (measured ~26-108 KB/token on Llama).
+    width = a.experts_per_token * a.intermediate if a.is_moe else a.intermediate
+    transient = tokens * (8 * width + 12 * a.hidden)
+    return {"saved": saved, "checkpoint_inputs": inputs, "recompute": recompute, "backward_transient": transient}
+
+
+def loss_buffer_bytes(a: Architecture, s: Setup, lm_head_trainable: bool) -> float:
+    """TRL's fused LM head never builds (tokens x vocab) logits: one bf16 tile of 4096 x 32768, and in backward
+    fp32 accumulators for the hidden-state gradient and, when the head trains, its weight gradient."""
+    n = min(s.tokens, CHUNKED_LOGPROB_TOKENS)
+    tile = n * min(a.vocab, CHUNKED_LOGPROB_VOCAB) * 2
+    grad_hidden = s.tokens * a.hidden * (4 + 2)  # fp32 accumulator, then its bf16 copy
+    grad_weight = a.vocab * a.hidden * (4 + 2) if lm_head_trainable else 0
+    return tile + grad_hidden + grad_weight
+
+
+# ---- Techniques --------------------------------------------------------------------------------------------------
+TECHNIQUES = ("ddp", "zero2", "fsdp2", "zero3", "zero3_offload")
+CONFIG_FILES = {
+    "ddp": "accelerate_configs/ddp.yaml",
+    "zero2": "accelerate_configs/zero2.yaml",
+    "fsdp2": "accelerate_configs/fsdp.yaml",
+    "zero3": "accelerate_configs/zero3.yaml",
+    "zero3_offload": "accelerate_configs/zero3_offload.yaml",
+}
+LABELS = {"ddp": "DDP", "zero2": "ZeRO-2", "fsdp2": "FSDP2", "zero3": "ZeRO-3", "zero3_offload": "ZeRO-3 offload"}
+
+
+@dataclass
+class Estimate:
+    technique: str
+    parts: dict[str, float]  # bytes
+    allocated: float
+    reserved: float
+    per_gpu: float
+    supported: bool = True
+    note: str = ""
+
+    @property
+    def per_gpu_gib(self) -> float:
+        return self.per_gpu / GIB
+
+
+def estimate(a: Architecture, s: Setup, technique: str, world: int) -> Estimate:
+    """Per-GPU peak for one technique on `world` GPUs in total."""
+    n = max(world, 1)
+    params = total_params(a)
+    trainable = trainable_params(a, s)
+    full = s.method == "full"
+    pbytes = trainable_bytes(s, technique)
+    largest_layer = layer_params(a) * 2  # gathered in bf16 for compute
+    root = embedding_params(a) * 2  # FSDP2's root unit (embeddings, LM head, norm) stays gathered forward+backward
+    bucket = DS_BUCKET_ELEMENTS_PER_H2 * a.hidden**2 * 2
+    supported, note = True, ""
+    if s.method == "qlora" and technique in ("fsdp2", "zero3", "zero3_offload"):
+        supported, note = False, "4-bit weights cannot be sharded here"
+
+    parts: dict[str, float] = {}
+    if technique == "ddp":
+        parts["weights"] = params * pbytes if full else frozen_weight_bytes(a, s) + trainable * pbytes
+        parts["optimizer"] = trainable * optimizer_bytes_per_param(s, pbytes)
+        grads = trainable * pbytes
+        if n > 1:
+            parts["ddp_buckets"] = grads  # DDP's flat all-reduce buckets: a second copy of the gradients
+    elif technique == "zero2":
+        # DeepSpeed bf16: 16-bit weights everywhere; fp32 master weights + Adam states and fp32 gradients of the
+        # rank's partition; bf16 gradients reduced through buckets into the partition.
+        pbytes = 2
+        parts["weights"] = params * 2 if full else frozen_weight_bytes(a, s) + trainable * 2
+        parts["optimizer"] = trainable * (4 + optimizer_bytes_per_param(s, 4)) / n
+        parts["fp32_grad_partition"] = trainable * 4 / n
+        parts["buckets"] = 2 * bucket
+        grads = trainable * 2 / n
+    elif technique == "fsdp2":
+        frozen = 0 if full else frozen_weight_bytes(a, s)
+        parts["weights"] = (frozen + trainable * pbytes) / n
+        parts["optimizer"] = trainable * optimizer_bytes_per_param(s, pbytes) / n
+        parts["gathered"] = (2 * largest_layer + root) if n > 1 else 0  # current + prefetched layer, root unit
+        grads = trainable * pbytes / n + (2 * largest_layer if full and n > 1 else 0)  # unsharded grads to reduce
+    elif technique == "zero3":
+        pbytes = 2
+        parts["weights"] = (params * 2 if full else frozen_weight_bytes(a, s) + trainable * 2) / n
+        parts["optimizer"] = trainable * (4 + optimizer_bytes_per_param(s, 4)) / n
+        parts["fp32_grad_partition"] = trainable * 4 / n
+        parts["gathered"] = (2 * largest_layer + DS_PREFETCH_PER_H2 * a.hidden**2 * 2) if n > 1 else 0
+        parts["buckets"] = 2 * bucket
+        grads = trainable * 2 / n
+    elif technique == "zero3_offload":
+        # Weights, fp32 master and Adam states live in CPU memory; the GPU gathers layers as it goes.
+        pbytes = 2
+        parts["gathered"] = 2 * largest_layer + root + DS_PREFETCH_PER_H2 * a.hidden**2 * 2
+        parts["buckets"] = 2 * bucket
+        grads = 2 * bucket
+    else:
+        raise ValueError(f"unknown technique {technique!r}")
+
+    acts = activation_bytes(a, s)
+    # The peak is at one end of the backward pass (see the module docstring):
+    #   start: every saved activation + the LM head's loss buffers (its fp32 weight gradient among them);
+    #   end:   every gradient + the recomputed layer (checkpointing) + one layer's backward transients.
+    # With checkpointing the start also runs the last layer's recomputation before any layer gradient exists.
+    head_trainable = full
+    start = acts["saved"] + loss_buffer_bytes(a, s, head_trainable)
+    if s.gradient_checkpointing:
+        start = max(start, acts["saved"] + acts["recompute"] + acts["backward_transient"])
+    end = grads + acts["recompute"] + acts["backward_transient"]
+    parts["activations_and_grads"] = max(start, end)
+    allocated = sum(parts.values())
+    reserved = allocated * FRAGMENTATION
+    overhead = (CUDA_CONTEXT_GIB + (NCCL_GIB if n > 1 else 0)) * GIB
+    if technique == "zero3_offload":
+        overhead += 0.5 * GIB  # pinned staging buffers for the CPU <-> GPU copies
+    return Estimate(technique, parts, allocated, reserved, reserved + overhead, supported, note)
+
+
+# ---- The choice --------------------------------------------------------------------------------------------------
+@dataclass
+class Plan:
+    model: str
+    method: str
+    gpu: str
+    gpu_memory_gib: float
+    gpus_per_node: int
+    nodes: int
+    estimates: dict[str, Estimate]
+    technique: str | None
+    fits: bool
+    command: str | None
+    suggestions: list[str] = field(default_factory=list)
+
+    @property
+    def world(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+    def to_json(self) -> dict:
+        return {
+            "model": self.model,
+            "method": self.method,
+            "gpu": self.gpu,
+            "gpu_memory_gib": self.gpu_memory_gib,
+            "gpus_per_node": self.gpus_per_node,
+            "nodes": self.nodes,
+            "technique": self.technique,
+            "config_file": CONFIG_FILES.get(self.technique) if self.technique else None,
+            "fits": self.fits,
+            "command": self.command,
+            "per_gpu_gib": {t: round(e.per_gpu_gib, 2) for t, e in self.estimates.items()},
+            "supported": {t: e.supported for t, e in self.estimates.items()},
+            "breakdown_gib": {t: {k: round(v / GIB, 3) for k, v in e.parts.items()} for t, e in self.estimates.items()},
+            "budget_gib": round(self.gpu_memory_gib * SAFETY_MARGIN, 2),
+            "suggestions": self.suggestions,
+        }
+
+
+def resolve_gpu(name: str | None, memory_gib: float | None) -> tuple[str, float]:
+    if memory_gib is not None:
+        return (name or "custom", float(memory_gib))
+    if name is None:
+        raise ValueError("give --gpu NAME or --gpu-memory GIB")
+    key = name.upper().replace(" ", "")
+    key = GPU_ALIASES.get(key, key)
+    if key not in KNOWN_GPUS:
+        raise ValueError(f"unknown GPU {name!r}; known: {', '.join(KNOWN_GPUS)} (or pass --gpu-memory GIB)")
+    return key, KNOWN_GPUS[key][1]
+
+
+def launch_command(technique: str, recipe: str, world: int, nodes: int, extra_args: list[str] | None = None) -> str:
+    parts = ["accelerate", "launch", "--config_file", CONFIG_FILES[technique]]
+    if nodes > 1:
+        parts += ["--num_machines", str(nodes), "--machine_rank", "$RANK", "--main_process_ip", "$MASTER_ADDR",
+                  "--main_process_port", "29500"]
+    parts += ["--num_processes", str(world), "scripts/sft.py", "--config", recipe] + list(extra_args or [])
+    return " ".join(p if p.startswith("$") else shlex.quote(p) for p in parts)
+
+
+def choose(a: Architecture, s: Setup, world: int, budget_bytes: float) -> tuple[dict[str, Estimate], str | None]:
+    """Cheapest first: DDP (no sharding traffic), ZeRO-2 (shards only optimizer state and gradients), FSDP2 then
+    ZeRO-3 (also shard the weights, gather each layer on the fly), ZeRO-3 with CPU offload (slowest, PCIe bound).
+    With one GPU sharding saves nothing, so only DDP (a plain single process) and offload are candidates."""
+    estimates = {t: estimate(a, s, t, world) for t in TECHNIQUES}
+    order = TECHNIQUES if world > 1 else ("ddp", "zero3_offload")
+    for t in order:
+        e = estimates[t]
+        if e.supported and e.per_gpu <= budget_bytes:
+            return estimates, t
+    return estimates, None
+
+
+def _fits_somehow(a: Architecture, s: Setup, world: int, budget: float) -> bool:
+    return choose(a, s, world, budget)[1] is not None
+
+
+def suggestions(a: Architecture, s: Setup, world: int, gpus_per_node: int, budget: float) -> list[str]:
+    """What would fit, tried one change at a time, cheapest change first."""
+    out = []
+    if not s.gradient_checkpointing and _fits_somehow(a, replace(s, gradient_checkpointing=True), world, budget):
+        out.append("turn on activation checkpointing: --gradient_checkpointing true")
+    if s.batch > 1:
+        for b in range(s.batch - 1, 0, -1):
+            if _fits_somehow(a, replace(s, batch=b), world, budget):
+                out.append(f"a smaller micro-batch: --per_device_train_batch_size {b} (raise gradient_accumulation_steps)")
+                break
+    length = s.max_length // 2
+    while length >= 256:
+        if _fits_somehow(a, replace(s, max_length=length), world, budget):
+            out.append(f"shorter sequences: --max_length {length}")
+            break
+        length //= 2
+    if s.method == "full":
+        lora = replace(s, method="lora", lora_target_modules=("all-linear",))
+        if _fits_somehow(a, lora, world, budget):
+            out.append("LoRA instead of full fine-tuning: --use_peft true --lora_target_modules all-linear")
+    if s.method in ("full", "lora") and not a.is_moe:
+        qlora = replace(s, method="qlora", lora_target_modules=s.lora_target_modules or ("all-linear",))
+        if _fits_somehow(a, qlora, world, budget):
+            out.append("QLoRA (4-bit base weights): --use_peft true --load_in_4bit true")
+    per_node = max(gpus_per_node, 8)  # more GPUs: fill a node of 8, then add nodes of 8
+    for total in (2, 4, 8, 16, 32, 64, 128):
+        if total <= world or not _fits_somehow(a, s, total, budget):
+            continue
+        nodes = math.ceil(total / per_node)
+        out.append(f"more GPUs: {total} of this kind" + (f" ({nodes} nodes of {per_node}, --nodes {nodes})" if nodes > 1 else ""))
+        break
+    if not out:
+        out.append("no single change fits: combine checkpointing, LoRA/QLoRA, shorter sequences, more or larger GPUs")
+    return out
+
+
+def plan(recipe_values: dict, gpus: int, gpu: str | None = None, gpu_memory_gib: float | None = None,
+         nodes: int = 1, recipe_path: str = "RECIPE", extra_args: list[str] | None = None) -> Plan:
+    s = setup_from_recipe(recipe_values)
+    a = load_architecture(s.model)
+    gpu_name, memory = resolve_gpu(gpu, gpu_memory_gib)
+    world = gpus * nodes
+    budget = memory * GIB * SAFETY_MARGIN
+    estimates, technique = choose(a, s, world, budget)
+    command = launch_command(technique, recipe_path, world, nodes, extra_args) if technique else None
+    tips = suggestions(a, s, world, gpus, budget) if technique is None else []
+    return Plan(s.model, s.method, gpu_name, memory, gpus, nodes, estimates, technique, technique is not None,
+                command, tips)
+
+
+def format_plan(p: Plan) -> str:
+    budget = p.gpu_memory_gib * SAFETY_MARGIN
+    lines = [
+        f"{p.model} ({p.method}) on {p.nodes} x {p.gpus_per_node} x {p.gpu} "
+        f"({p.gpu_memory_gib:.1f} GiB; budget {budget:.1f} GiB = {SAFETY_MARGIN:.0%})",
+        "",
+        f"{'technique':<16}{'per GPU GiB':>12}  {'weights':>8} {'optim':>8} {'act/grad':>9} {'other':>8}  verdict",
+    ]
+    for t, e in p.estimates.items():
+        w = e.parts.get("weights", 0) / GIB
+        o = e.parts.get("optimizer", 0) / GIB
+        ag = e.parts.get("activations_and_grads", 0) / GIB
+        other = e.per_gpu_gib - w - o - ag
+        if not e.supported:
+            verdict = f"not supported ({e.note})"
+        elif p.world == 1 and t not in ("ddp", "zero3_offload"):
+            verdict = "(no sharding on 1 GPU)"
+        else:
+            verdict = "fits" if e.per_gpu_gib <= budget else "too big"
+        mark = "*" if t == p.technique else " "
+        lines.append(f"{mark}{LABELS[t]:<15}{e.per_gpu_gib:>12.1f}  {w:>8.1f} {o:>8.1f} {ag:>9.1f} {other:>8.1f}  {verdict}")
+    lines.append("")
+    if p.fits:
+        lines.append(f"Use {LABELS[p.technique]} ({CONFIG_FILES[p.technique]}):")
+        lines.append(f"  {p.command}")
+    else:
+        lines.append("Nothing fits. What would:")
+        lines += [f"  - {tip}" for tip in p.suggestions]
+    return "\n".join(lines)
+
+
+def setup_as_dict(s: Setup) -> dict:
+    return asdict(s)

@@ -1,0 +1,259 @@
+"""The memory planner: its formulas, its choices, its speed, and the `finetune plan` command."""
+
+import json
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from finetune import plan as P
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = sorted((ROOT / "recipes").glob("*/*.yaml"))
+GIB = P.GIB
+
+SMALL = P.Architecture(name="small", hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=128,
+                       vocab=100, tied_embeddings=False)
+
+
+def setup(**kw):
+    base = dict(model="small", method="full", max_length=16, batch=2, dtype="bfloat16", optim="adamw_torch_fused")
+    return P.Setup(**(base | kw))
+
+
+def recipe(tmp_path, **values):
+    base = {"model_name_or_path": "meta-llama/Llama-3.2-3B-Instruct", "dtype": "bfloat16", "max_length": 2048,
+            "per_device_train_batch_size": 8, "gradient_checkpointing": False, "optim": "adamw_torch_fused",
+            "bf16": True}
+    path = tmp_path / "recipe.yaml"
+    import yaml
+
+    path.write_text(yaml.safe_dump(base | values))
+    return path
+
+
+# ---- formulas -----------------------------------------------------------------------------------------------------
+def test_parameter_count_of_a_small_dense_config_is_exact():
+    # per layer: q 64*64 + k 64*32 + v 64*32 + o 64*64 + 3 MLP 64*128 + 2 norms 64; embeddings + head + final norm
+    per_layer = 4096 + 2048 + 2048 + 4096 + 3 * 8192 + 128
+    assert P.layer_params(SMALL) == per_layer
+    assert P.total_params(SMALL) == 2 * per_layer + 2 * 100 * 64 + 64
+
+
+@pytest.mark.parametrize("name", ["llama-3.2-1b", "llama-3.2-3b", "gpt-oss-20b"])
+def test_parameter_count_matches_the_real_architecture(name):
+    torch = pytest.importorskip("torch")
+    from finetune.architectures import load_architecture
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(load_architecture(name))
+    assert P.total_params(P.load_architecture(name)) == sum(p.numel() for p in model.parameters())
+
+
+def test_full_bf16_ddp_on_one_gpu_counts_2_bytes_weights_and_4_bytes_adam_states():
+    e = P.estimate(SMALL, setup(), "ddp", 1)
+    n = P.total_params(SMALL)
+    assert e.parts["weights"] == n * 2
+    assert e.parts["optimizer"] == n * 2 * 2  # exp_avg + exp_avg_sq in bf16
+    assert "ddp_buckets" not in e.parts  # no DDP wrapper with one process
+
+
+def test_ddp_on_several_gpus_keeps_a_gradient_sized_bucket_copy():
+    e = P.estimate(SMALL, setup(dtype="float32"), "ddp", 4)
+    assert e.parts["ddp_buckets"] == P.total_params(SMALL) * 4
+
+
+def test_fsdp2_shards_fp32_weights_and_adam_states_by_world_size():
+    n = P.total_params(SMALL)
+    for world in (2, 4, 8):
+        e = P.estimate(SMALL, setup(), "fsdp2", world)
+        assert e.parts["weights"] == pytest.approx(n * 4 / world)  # accelerate upcasts trainable params to fp32
+        assert e.parts["optimizer"] == pytest.approx(n * 8 / world)
+
+
+def test_zero3_shards_weights_and_master_states_zero2_only_the_states():
+    n = P.total_params(SMALL)
+    z2, z3 = P.estimate(SMALL, setup(), "zero2", 8), P.estimate(SMALL, setup(), "zero3", 8)
+    assert z2.parts["weights"] == n * 2
+    assert z3.parts["weights"] == pytest.approx(n * 2 / 8)
+    assert z2.parts["optimizer"] == z3.parts["optimizer"] == pytest.approx(n * 12 / 8)  # fp32 master + m + v
+
+
+def test_lora_trains_only_the_adapters_in_fp32():
+    s = setup(method="lora", lora_target_modules=("q_proj", "v_proj"), lora_r=8)
+    trainable = P.trainable_params(SMALL, s)
+    assert trainable == 2 * (8 * (64 + 64) + 8 * (64 + 32))
+    e = P.estimate(SMALL, s, "ddp", 1)
+    assert e.parts["optimizer"] == trainable * 8
+
+
+def test_qlora_stores_quantized_linears_in_about_half_a_byte():
+    a = P.load_architecture("llama-3.2-3b")
+    lora = P.frozen_weight_bytes(a, setup(method="lora"))
+    qlora = P.frozen_weight_bytes(a, setup(method="qlora"))
+    linear = a.layers * P.linear_params_per_layer(a)
+    assert lora - qlora == pytest.approx(linear * (2 - 0.5 - 4 / 64))
+
+
+def test_activations_grow_with_tokens_and_checkpointing_shrinks_them():
+    a = P.load_architecture("llama-3.2-1b")
+    short, long = P.activation_bytes(a, setup(max_length=1024)), P.activation_bytes(a, setup(max_length=2048))
+    assert long["saved"] == pytest.approx(2 * short["saved"])
+    ckpt = P.activation_bytes(a, setup(max_length=2048, gradient_checkpointing=True))
+    assert ckpt["saved"] < long["saved"] / 10
+    on, off = setup(max_length=2048, batch=8, gradient_checkpointing=True), setup(max_length=2048, batch=8)
+    part = "activations_and_grads"
+    assert P.estimate(a, on, "ddp", 1).parts[part] < P.estimate(a, off, "ddp", 1).parts[part] / 3
+
+
+def test_dense_layer_activation_formula_matches_the_saved_tensors_of_the_real_layer():
+    torch = pytest.importorskip("torch")
+    from finetune.architectures import load_architecture
+    from transformers import AutoModelForCausalLM
+
+    cfg = load_architecture("llama-3.2-1b")
+    sizes = {}
+    for layers in (1, 2):
+        cfg.num_hidden_layers, cfg.vocab_size = layers, 256
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa")
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        seen = {}
+
+        def pack(t):
+            st = t.untyped_storage()
+            if st.data_ptr() not in params:
+                seen[st.data_ptr()] = st.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(input_ids=torch.randint(0, 256, (1, 64)), use_cache=False)
+        sizes[layers] = sum(seen.values())
+    measured_per_token = (sizes[2] - sizes[1]) / 64
+    assert P.layer_activation_bytes_per_token(P.load_architecture("llama-3.2-1b"), setup()) == measured_per_token
+
+
+def test_moe_weights_count_every_expert_but_activations_only_the_active_ones():
+    a = P.load_architecture("gpt-oss-20b")
+    fewer = replace(a, experts=a.experts // 2)
+    assert P.total_params(a) > 20e9 and P.total_params(a) - P.total_params(fewer) > 9e9
+    active = replace(a, experts_per_token=a.experts_per_token * 2)
+    s = setup(model="openai/gpt-oss-20b")
+    assert P.layer_activation_bytes_per_token(active, s) > P.layer_activation_bytes_per_token(a, s)
+    assert P.layer_activation_bytes_per_token(fewer, s) == pytest.approx(
+        P.layer_activation_bytes_per_token(a, s) - 4 * (a.experts - fewer.experts))  # only the router's logits
+
+
+def test_the_hub_id_mapping_is_the_projects():
+    pytest.importorskip("transformers")
+    from finetune.architectures import HUB_ID_TO_ARCHITECTURE
+
+    assert P.HUB_ID_TO_ARCHITECTURE == HUB_ID_TO_ARCHITECTURE
+
+
+def test_a_local_model_folder_is_read_from_its_config_json(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
+                                                      "num_attention_heads": 4, "num_key_value_heads": 2,
+                                                      "intermediate_size": 128, "vocab_size": 100}))
+    a = P.load_architecture(str(tmp_path))
+    assert (a.hidden, a.layers, a.head_dim, a.kv_dim) == (64, 2, 16, 32)
+
+
+# ---- choices ------------------------------------------------------------------------------------------------------
+def test_gpt_oss_120b_lora_on_8_h100_is_never_ddp():
+    p = P.plan(P.read_recipe(ROOT / "recipes/gpt-oss-120b/lora.yaml"), gpus=8, gpu="H100")
+    assert p.technique not in ("ddp", "zero2")
+    assert p.estimates["ddp"].per_gpu_gib > 80
+
+
+def test_llama_3b_lora_on_8_a10_is_ddp(tmp_path):
+    path = recipe(tmp_path, use_peft=True, lora_target_modules="all-linear", gradient_checkpointing=True, lora_r=16)
+    p = P.plan(P.read_recipe(path), gpus=8, gpu="A10", recipe_path=str(path))
+    assert p.technique == "ddp" and p.fits
+    assert p.command.startswith("accelerate launch --config_file accelerate_configs/ddp.yaml")
+    assert "--num_processes 8 scripts/sft.py --config" in p.command
+
+
+def test_full_3b_on_8_a10_needs_sharding(tmp_path):
+    path = recipe(tmp_path, per_device_train_batch_size=1, gradient_checkpointing=True)
+    p = P.plan(P.read_recipe(path), gpus=8, gpu="A10")
+    assert p.fits and p.technique in ("zero2", "fsdp2", "zero3")
+
+
+def test_too_large_reports_nothing_fits_with_suggestions(tmp_path):
+    path = recipe(tmp_path, max_length=4096, per_device_train_batch_size=4)
+    p = P.plan(P.read_recipe(path), gpus=1, gpu="A10")
+    assert not p.fits and p.technique is None and p.command is None
+    text = " ".join(p.suggestions)
+    assert "--gradient_checkpointing true" in text and "--max_length" in text
+    shorter = int(text.split("--max_length ")[1].split()[0])
+    assert P.plan(P.read_recipe(path, {"max_length": shorter}), gpus=1, gpu="A10").fits
+    # full fine-tuning whose weights + Adam states alone overflow the card, even offloading needs LoRA
+    tight = P.plan(P.read_recipe(path, {"per_device_train_batch_size": 1, "max_length": 1024}), gpus=1, gpu_memory_gib=6)
+    assert not tight.fits
+
+
+def test_qlora_is_never_sharded(tmp_path):
+    path = recipe(tmp_path, use_peft=True, load_in_4bit=True, lora_target_modules="all-linear")
+    p = P.plan(P.read_recipe(path), gpus=8, gpu="L4")
+    assert not p.estimates["fsdp2"].supported and not p.estimates["zero3"].supported
+    assert p.technique in (None, "ddp", "zero2")
+
+
+def test_multi_node_command_has_the_machine_flags(tmp_path):
+    p = P.plan(P.read_recipe(ROOT / "recipes/gpt-oss-120b/lora.yaml"), gpus=8, nodes=2, gpu="H100",
+               recipe_path="recipes/gpt-oss-120b/lora.yaml")
+    assert ("--num_machines 2 --machine_rank $RANK --main_process_ip $MASTER_ADDR --main_process_port 29500 "
+            "--num_processes 16 scripts/sft.py") in p.command
+
+
+def test_overrides_change_the_estimate(tmp_path):
+    path = recipe(tmp_path, gradient_checkpointing=True)
+    values = P.read_recipe(path, P.parse_overrides(["--max_length", "4096", "--gradient_checkpointing", "false"]))
+    assert values["max_length"] == 4096 and values["gradient_checkpointing"] is False
+    base = P.plan(P.read_recipe(path), gpus=1, gpu="H200").estimates["ddp"].per_gpu
+    assert P.plan(values, gpus=1, gpu="H200").estimates["ddp"].per_gpu > 2 * base
+
+
+@pytest.mark.parametrize("recipe_path", RECIPES, ids=lambda p: f"{p.parent.name}/{p.stem}")
+def test_every_recipe_answers_fast_on_every_gpu_count_and_kind(recipe_path):
+    for gpu in ("A10", "H100", "H200"):
+        for gpus in (1, 2, 8):
+            t0 = time.perf_counter()
+            p = P.plan(P.read_recipe(recipe_path), gpus=gpus, gpu=gpu, recipe_path=str(recipe_path))
+            assert time.perf_counter() - t0 < 2
+            assert set(p.to_json()["per_gpu_gib"]) == set(P.TECHNIQUES)
+            assert p.fits == (p.command is not None) and (p.fits or p.suggestions)
+
+
+# ---- command line -------------------------------------------------------------------------------------------------
+def test_cli_json_in_a_subprocess_is_fast_and_complete():
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, "-m", "finetune.cli", "plan", "--config", "recipes/llama-3.2-1b/full.yaml",
+                          "--gpus", "8", "--gpu", "H100", "--json", "--max_length", "4096"],
+                         cwd=ROOT, capture_output=True, text=True, check=True)
+    assert time.perf_counter() - t0 < 2
+    d = json.loads(out.stdout)
+    assert {"technique", "config_file", "per_gpu_gib", "fits", "command"} <= set(d)
+    assert d["fits"] and d["config_file"] == P.CONFIG_FILES[d["technique"]]
+    assert d["command"].endswith("--config recipes/llama-3.2-1b/full.yaml --max_length 4096")
+
+
+def test_cli_table_and_exit_status_when_nothing_fits(tmp_path):
+    path = recipe(tmp_path, max_length=16384)
+    out = subprocess.run([sys.executable, "scripts/plan.py", "--config", str(path), "--gpus", "1", "--gpu", "L4"],
+                         cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 1 and "Nothing fits" in out.stdout and "DDP" in out.stdout
+
+
+def test_measure_memory_tiny_case_runs_on_cpu(tmp_path):
+    pytest.importorskip("trl")
+    out = subprocess.run([sys.executable, "scripts/measure_memory.py", "--tiny", "--out", str(tmp_path),
+                          "--cases", "llama-3.2-1b-full-s1024-b8"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300, env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    rows = json.loads((tmp_path / "planner_validation.json").read_text())
+    assert rows[0]["case"] == "llama-3.2-1b-full-s1024-b8" and "error" not in rows[0]
