@@ -1,4 +1,4 @@
-"""The `finetune` console command: `finetune plan ...` (more subcommands register themselves the same way).
+"""The `finetune` console command: `finetune plan ...`, `finetune merge ...` (more subcommands register themselves the same way).
 
 Each subcommand is a function `add_<name>(subparsers)` that declares its arguments and sets `func`; heavy imports
 (torch, transformers) stay inside the subcommand's function so that `finetune plan` answers at once.
@@ -48,7 +48,27 @@ def add_plan(subparsers) -> None:
     p.set_defaults(func=_run_plan, accepts_extra=True)
 
 
-SUBCOMMANDS = [add_plan]
+def _run_merge(args: argparse.Namespace, extra: list[str]) -> int:
+    from finetune.config import UserError
+    from finetune.merge import merge_adapter
+
+    try:
+        print(f"merged model written to {merge_adapter(args.adapter_dir, args.output_dir, args.base_model)}")
+    except UserError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def add_merge(subparsers) -> None:
+    p = subparsers.add_parser("merge", help="merge a LoRA adapter into its base model (loads without peft)")
+    p.add_argument("adapter_dir", help="a LoRA run's output_dir")
+    p.add_argument("output_dir", help="where to write the merged model (new or empty)")
+    p.add_argument("--base_model", help="base model id or folder (default: the one the adapter was trained on)")
+    p.set_defaults(func=_run_merge)
+
+
+SUBCOMMANDS = [add_plan, add_merge]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,44 @@
+"""Model loading seams: the tiny stand-ins keep the real architecture, and the end-of-turn token is trained."""
+
+import pytest
+import torch
+
+from conftest import ROOT
+from finetune import config, model, train
+from finetune.data import load_datasets
+
+
+def build(recipe: str, tmp_path, *overrides: str):
+    run = config.parse_args(["--config", str(ROOT / "recipes" / recipe), "--tiny", "--output_dir", str(tmp_path), *overrides])
+    model_path = model.resolve_model_path(run)
+    tokenizer = model.load_tokenizer(model_path, run.training.assistant_only_loss)
+    return run, model_path, tokenizer
+
+
+@pytest.mark.parametrize("recipe, end_of_turn", [("llama-3.2-1b/lora.yaml", "<|eot_id|>"), ("gpt-oss-20b/lora.yaml", "<|return|>")])
+def test_assistant_only_loss_keeps_the_end_of_turn_token_in_the_labels(tmp_path, recipe, end_of_turn):
+    run, model_path, tokenizer = build(recipe, tmp_path, "--eval_strategy", "no")
+    train_set, _ = load_datasets(run.script, run.training)
+    trainer = train.build_trainer(run, model.load_model(run, model_path), tokenizer, train_set.select(range(8)), None)
+    example = trainer.train_dataset[0]
+    trained_ids = [label for label in example["labels"] if label != -100]
+    answer = train_set[0]["messages"][-1]["content"]
+    assert tokenizer.decode(trained_ids).endswith(answer + end_of_turn)
+    assert trained_ids[-1] == tokenizer.convert_tokens_to_ids(end_of_turn)
+    assert len(trained_ids) < len(example["input_ids"]) / 2, "the prompt is not trained on"
+
+
+def test_tiny_llama_keeps_grouped_query_attention_and_tied_embeddings(tmp_path):
+    run, model_path, _ = build("llama-3.2-1b/full.yaml", tmp_path)
+    loaded = model.load_model(run, model_path)
+    assert loaded.config.num_key_value_heads < loaded.config.num_attention_heads
+    assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
+
+
+def test_tiny_gpt_oss_keeps_experts_top2_routing_sinks_and_sliding_layers(tmp_path):
+    run, model_path, _ = build("gpt-oss-20b/lora.yaml", tmp_path)
+    loaded = model.load_model(run, model_path)
+    assert loaded.config.num_local_experts >= 4 and loaded.config.num_experts_per_tok == 2
+    assert set(loaded.config.layer_types) == {"sliding_attention", "full_attention"}
+    assert all(layer.self_attn.sinks.shape == (loaded.config.num_attention_heads,) for layer in loaded.model.layers)
+    assert loaded.dtype == torch.float32, "on CPU the recipe's bf16 becomes float32"
