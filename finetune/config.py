@@ -4,7 +4,7 @@ Every user mistake found here ends as a `UserError` whose message is one sentenc
 fix; `scripts/sft.py` prints it and exits non-zero without a traceback.
 """
 
-import dataclasses
+import argparse
 import json
 import os
 import sys
@@ -112,7 +112,7 @@ def _coerce_recipe_values(parser: TrlParser, recipe: dict, recipe_path: str) -> 
                 coerced[key] = [action.type(str(item)) for item in values]
             else:
                 coerced[key] = action.type(value if isinstance(value, str) else str(value))
-        except (TypeError, ValueError, Exception):
+        except (TypeError, ValueError, argparse.ArgumentTypeError):
             type_name = getattr(action.type, "__name__", str(action.type))
             raise UserError(
                 f"{recipe_path}: `{key}: {value}` is not a valid {type_name}; give it a value of that type."
