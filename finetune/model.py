@@ -12,7 +12,7 @@ from peft import LoraConfig
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, Mxfp4Config, PreTrainedModel
 from trl import get_peft_config, get_quantization_config
 
-from finetune import cpu, tiny
+from finetune import attention, cpu, tiny
 from finetune.config import RunConfig, UserError
 
 logger = logging.getLogger(__name__)
@@ -87,6 +87,8 @@ def model_init_kwargs(run: RunConfig, model_path: str) -> dict:
 
 
 def load_model(run: RunConfig, model_path: str) -> PreTrainedModel:
+    if run.model.attn_implementation == attention.VARLEN_ATTENTION:
+        attention.register()
     try:
         model = AutoModelForCausalLM.from_pretrained(model_path, **model_init_kwargs(run, model_path))
     except OSError as error:

@@ -1,0 +1,45 @@
+"""The benchmark's tiny CPU mode runs every case end to end, so scripts/bench.py does not rot between GPU runs."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_tiny_bench_writes_every_case(tmp_path):
+    from finetune.bench import gpu_cases
+
+    env = dict(os.environ, HF_HUB_OFFLINE="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(PROJECT_ROOT))
+    completed = subprocess.run(
+        [sys.executable, str(PROJECT_ROOT / "scripts" / "bench.py"), "--tiny", "--out", str(tmp_path)],
+        cwd=PROJECT_ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+
+    report = json.loads((tmp_path / "bench.json").read_text())
+    table = (tmp_path / "bench.md").read_text()
+    cases = {case["key"]: case for case in report["cases"]}
+    for case in gpu_cases():
+        assert case.key in cases, f"{case.key} missing from bench.json"
+        assert case.title in table, f"{case.title} missing from bench.md"
+        results = {r["variant"]: r for r in cases[case.key]["results"]}
+        for variant in case.variants:
+            if variant.extra:
+                continue  # GPU-only explorations (compiled layers, flex attention)
+            result = results.get(variant.key)
+            assert result is not None, f"{case.key}/{variant.key} missing"
+            assert "error" not in result, f"{case.key}/{variant.key}: {result.get('error')}"
+            assert result["tokens_per_s"] > 0 and result["step_time_median_s"] > 0
+            assert result["timed_steps"] >= 2
+            assert 0 < result["loss_last"] < 20
+            if case.data == "fixed":
+                assert 0 < result["mfu"] < 1
+            if variant.recipe:
+                assert result["command"].startswith(f"scripts/sft.py --config recipes/{variant.recipe}")
+    numerics = report["numerics"]
+    assert "error" not in numerics, numerics
+    assert numerics["max_rel_diff"] < 0.02 and numerics["passed"]
+    assert "Numerics check" in table
