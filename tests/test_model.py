@@ -17,7 +17,7 @@ def build(recipe: str, tmp_path, *overrides: str):
 
 @pytest.mark.parametrize("recipe, end_of_turn", [("llama-3.2-1b/lora.yaml", "<|eot_id|>"), ("gpt-oss-20b/lora.yaml", "<|return|>")])
 def test_assistant_only_loss_keeps_the_end_of_turn_token_in_the_labels(tmp_path, recipe, end_of_turn):
-    run, model_path, tokenizer = build(recipe, tmp_path, "--eval_strategy", "no")
+    run, model_path, tokenizer = build(recipe, tmp_path, "--eval_strategy", "no", "--packing", "false")
     train_set, _ = load_datasets(run.script, run.training)
     trainer = train.build_trainer(run, model.load_model(run, model_path), tokenizer, train_set.select(range(8)), None)
     example = trainer.train_dataset[0]
@@ -26,6 +26,19 @@ def test_assistant_only_loss_keeps_the_end_of_turn_token_in_the_labels(tmp_path,
     assert tokenizer.decode(trained_ids).endswith(answer + end_of_turn)
     assert trained_ids[-1] == tokenizer.convert_tokens_to_ids(end_of_turn)
     assert len(trained_ids) < len(example["input_ids"]) / 2, "the prompt is not trained on"
+
+
+def test_packed_rows_train_one_end_of_turn_per_conversation_and_no_prompts(tmp_path):
+    run, model_path, tokenizer = build("llama-3.2-1b/lora.yaml", tmp_path, "--eval_strategy", "no")
+    assert run.training.packing, "the Llama recipes pack rows"
+    train_set, _ = load_datasets(run.script, run.training)
+    trainer = train.build_trainer(run, model.load_model(run, model_path), tokenizer, train_set.select(range(20)), None)
+    example = trainer.train_dataset[0]
+    end_of_turn = tokenizer.convert_tokens_to_ids("<|eot_id|>")
+    conversations = len(example["seq_lengths"])
+    assert conversations > 1
+    assert [label for label in example["labels"] if label == end_of_turn] == [end_of_turn] * conversations
+    assert example["input_ids"].count(end_of_turn) > conversations, "the prompts' end-of-turn tokens are not trained"
 
 
 def test_tiny_llama_keeps_grouped_query_attention_and_tied_embeddings(tmp_path):
