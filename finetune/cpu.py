@@ -30,6 +30,8 @@ def cpu_overrides(values: dict) -> dict:
         overrides["experts_implementation"] = CPU_EXPERTS[values["experts_implementation"]]
     if values.get("optim") in ("adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit"):
         overrides["optim"] = "adamw_torch"
+    if fsdp_shim_enabled():
+        overrides["accelerator_config"] = {"use_configured_state": True}  # keep the FSDP state set up above
     changed = {key: value for key, value in overrides.items() if key in values and values[key] != value}
     if changed:
         logger.warning("No GPU: running on CPU with %s instead of the recipe's values.", changed)
@@ -47,3 +49,35 @@ def prepare_cpu_process_group() -> None:
     os.environ["ACCELERATE_MIXED_PRECISION"] = "no"
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         PartialState(cpu=True)
+        if fsdp_requested():
+            configure_fsdp_on_cpu()
+
+
+# Set to 0 to leave an FSDP launch on CPU to accelerate alone (it then runs as DDP, which the setup check refuses).
+FSDP_SHIM_ENV = "FINETUNE_CPU_FSDP"
+
+
+def fsdp_requested() -> bool:
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+
+
+def fsdp_shim_enabled() -> bool:
+    return fsdp_requested() and int(os.environ.get("WORLD_SIZE", "1")) > 1 and os.environ.get(FSDP_SHIM_ENV, "1") != "0"
+
+
+def configure_fsdp_on_cpu() -> None:
+    """Set accelerate's state to FSDP over gloo, with the plugin built from the launch's FSDP_* variables.
+
+    accelerate 1.15 switches to FSDP only from a GPU-type state; on CPU (MULTI_CPU) it ignores the FSDP plugin and
+    wraps the model in DDP. The trainer must then reuse this state: see `cpu_overrides` (use_configured_state).
+    """
+    if not fsdp_shim_enabled():
+        return
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, TorchDynamoPlugin
+
+    plugin = FullyShardedDataParallelPlugin()
+    state = AcceleratorState(cpu=True, dynamo_plugin=TorchDynamoPlugin(), fsdp_plugin=plugin, _from_accelerator=True)
+    state.distributed_type = DistributedType.FSDP
+    state.fsdp_plugin = plugin
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
