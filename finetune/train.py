@@ -118,6 +118,7 @@ def train_and_save(trainer: SFTTrainer, run: RunConfig, tokenizer) -> None:
         before = model_loading.answer(trainer.model, tokenizer, run.finetune.sample_prompt)
     trainer.train(resume_from_checkpoint=resume_from)
     trainer.save_model(output_dir)
+    trainer.save_state()  # trainer_state.json: the full-precision loss history beside the model
     if is_main:
         losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
         if losses:
