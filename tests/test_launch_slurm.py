@@ -91,7 +91,7 @@ def test_slurm_script_builds_one_accelerate_launch_per_node(fake_slurm):
 def test_slurm_script_exports_nccl_settings_and_keeps_arguments_quoted(fake_slurm, tmp_path):
     # Without echo mode, the per-node command runs: a fake `accelerate` shows its arguments and environment.
     fake = tmp_path / "accelerate"
-    fake.write_text('#!/bin/bash\necho "NCCL_NVLS_ENABLE=$NCCL_NVLS_ENABLE"\nfor arg in "$@"; do echo "ARG:$arg"; done\n')
+    fake.write_text('#!/bin/bash\necho "NCCL_NVLS_ENABLE=$NCCL_NVLS_ENABLE $TORCH_SYMM_MEM_DISABLE_MULTICAST $NVSHMEM_DISABLE_NVLS"\nfor arg in "$@"; do echo "ARG:$arg"; done\n')
     fake.chmod(0o755)
     result, nodes, _ = fake_slurm(
         "recipes/llama-3.2-1b/lora.yaml", "accelerate_configs/ddp.yaml", "--sample_prompt", "Count from 3 to 7.",
@@ -99,7 +99,7 @@ def test_slurm_script_exports_nccl_settings_and_keeps_arguments_quoted(fake_slur
     )
     assert result.returncode == 0, result.stderr
     for rank, output in enumerate(nodes):
-        assert "NCCL_NVLS_ENABLE=0" in output
+        assert "NCCL_NVLS_ENABLE=0 1 1" in output, "NVLink multicast off for NCCL, torch symmetric memory and NVSHMEM"
         arguments = [line[4:] for line in output.splitlines() if line.startswith("ARG:")]
         assert "Count from 3 to 7." in arguments  # one argument, spaces kept
         assert arguments[arguments.index("--num_processes") + 1] == "8"  # SLURM_GPUS_PER_NODE=h100:4, 2 nodes
