@@ -7,8 +7,6 @@ the benchmark and the tiny-model path read them from here.
 import json
 from pathlib import Path
 
-from transformers import AutoConfig, PretrainedConfig
-
 MODEL_CONFIGS_DIR = Path(__file__).parent / "model_configs"
 
 HUB_ID_TO_ARCHITECTURE = {
@@ -30,8 +28,12 @@ def known_architecture(model_name_or_path: str) -> str | None:
     return None
 
 
-def load_architecture(model_name_or_path: str) -> PretrainedConfig:
-    """The model's config, from the stored copies for known models or from a local folder's config.json."""
+def load_architecture(model_name_or_path: str):
+    """The model's transformers config, from the stored copies for known models or from a local folder.
+
+    transformers is imported here, not at the top, so that the planner can use this module and still answer at once."""
+    from transformers import AutoConfig
+
     name = known_architecture(model_name_or_path)
     if name is not None:
         values = json.loads((MODEL_CONFIGS_DIR / f"{name}.json").read_text())

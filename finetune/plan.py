@@ -27,19 +27,9 @@ import shlex
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-GIB = 1024**3
-MODEL_CONFIGS_DIR = Path(__file__).parent / "model_configs"
+from finetune.architectures import HUB_ID_TO_ARCHITECTURE, MODEL_CONFIGS_DIR
 
-# Same mapping as finetune.architectures.HUB_ID_TO_ARCHITECTURE (a test keeps them equal). It is repeated here
-# because importing that module imports transformers, which alone takes seconds.
-HUB_ID_TO_ARCHITECTURE = {
-    "meta-llama/Llama-3.2-1B-Instruct": "llama-3.2-1b",
-    "meta-llama/Llama-3.2-1B": "llama-3.2-1b",
-    "meta-llama/Llama-3.2-3B-Instruct": "llama-3.2-3b",
-    "meta-llama/Llama-3.2-3B": "llama-3.2-3b",
-    "openai/gpt-oss-20b": "gpt-oss-20b",
-    "openai/gpt-oss-120b": "gpt-oss-120b",
-}
+GIB = 1024**3
 
 # name: (marketing GB, GiB that PyTorch can see on the card: nvidia-smi's total)
 KNOWN_GPUS = {
