@@ -19,6 +19,7 @@ from trl import ModelConfig, ScriptArguments, SFTConfig, TrlParser
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 RUN_RECORD = "finetune_run.json"
 SAMPLE_DATA = PROJECT_ROOT / "data" / "sample"
+TINY_MAX_LENGTH = 256
 
 # What `accelerate launch scripts/sft.py` runs with no arguments: the tiny Llama on the bundled sample data.
 DEFAULT_ARGS = [
@@ -27,7 +28,7 @@ DEFAULT_ARGS = [
     "--output_dir", time.strftime("outputs/default-%Y%m%d-%H%M%S"),
     "--num_train_epochs", "12",
     "--learning_rate", "3e-3",
-    "--per_device_train_batch_size", "16",
+    "--per_device_train_batch_size", "8",
     "--gradient_accumulation_steps", "1",
     "--logging_steps", "10",
     "--eval_strategy", "epoch",
@@ -134,6 +135,7 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
     if not argv:
         argv = list(DEFAULT_ARGS)
     parser = _parser()
+    parser.error = _flag_error  # argparse's own message, as the one sentence, instead of its usage text
 
     recipe_path, recipe = None, {}
     if "--config" in argv:
@@ -143,7 +145,10 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
         recipe_path = argv[index + 1]
         argv = argv[:index] + argv[index + 2 :]
         recipe = _coerce_recipe_values(parser, _read_recipe(recipe_path), recipe_path)
-        for key, value in recipe.pop("env", {}).items():
+        env = recipe.pop("env", None) or {}
+        if not isinstance(env, dict):
+            raise UserError(f"{recipe_path}: `env` must be a mapping of VARIABLE: value lines; rewrite it as one.")
+        for key, value in env.items():
             os.environ[key] = str(value)
         parser.set_defaults(**recipe)
     if cpu.on_cpu():
@@ -153,6 +158,9 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
     unknown = [arg for arg in argv if arg.startswith("--") and arg[2:].split("=", 1)[0] not in _known_dests(parser)]
     if unknown:
         raise UserError(f"command line: unknown flag {unknown[0]}; check its spelling with `scripts/sft.py --help`.")
+    deepspeed_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true" and deepspeed_file:
+        read_deepspeed_config(deepspeed_file)  # before TrainingArguments reads it and fails with a message of its own
     try:
         script, training, model, finetune = parser.parse_args_into_dataclasses(args=argv)
     except SystemExit:
@@ -160,10 +168,23 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
     except ValueError as error:
         source = recipe_path or "command line"
         raise UserError(f"{source}: {_one_sentence(error)}") from None
-    if finetune.tiny and "dataset_name" not in _flags_given(argv) and not Path(script.dataset_name or "").exists():
+    if finetune.tiny:
+        _scale_down_for_tiny(script, training, _flags_given(argv))
+    return RunConfig(script, training, model, finetune, recipe_path, set(recipe) | _flags_given(argv))
+
+
+def _scale_down_for_tiny(script: ScriptArguments, training: SFTConfig, flags_given: set[str]) -> None:
+    """A tiny model trains on the bundled sample data, in rows of at most TINY_MAX_LENGTH tokens (packed recipes
+    would otherwise put 16k tokens in every CPU step), unless the command line says otherwise."""
+    if "dataset_name" not in flags_given and not Path(script.dataset_name or "").exists():
         print(f"[finetune] --tiny: training on the bundled {SAMPLE_DATA} instead of {script.dataset_name}", flush=True)
         script.dataset_name = str(SAMPLE_DATA)
-    return RunConfig(script, training, model, finetune, recipe_path, set(recipe) | _flags_given(argv))
+    if "max_length" not in flags_given and (training.max_length or TINY_MAX_LENGTH) > TINY_MAX_LENGTH:
+        training.max_length = TINY_MAX_LENGTH
+
+
+def _flag_error(message: str):
+    raise UserError(f"command line: {message}; fix that flag (see `scripts/sft.py --help`).")
 
 
 def _known_dests(parser: TrlParser) -> set[str]:
@@ -179,6 +200,11 @@ def check(run: RunConfig) -> None:
     """Refuse contradictory settings before any model or dataset is loaded."""
     source = run.recipe_path or "command line"
     model = run.model
+    if not model.model_name_or_path:
+        raise UserError(f"{source}: `model_name_or_path` is not set; give a hub id or a local folder.")
+    name = model.model_name_or_path
+    if not run.finetune.tiny and name.startswith((".", "/", "~")) and not Path(name).expanduser().is_dir():
+        raise UserError(f"{name}: model folder not found; fix --model_name_or_path (a hub id or a local folder).")
     if model.load_in_4bit and not model.use_peft:
         raise UserError(f"{source}: `load_in_4bit: true` (QLoRA) trains 4-bit weights only through LoRA; add `use_peft: true`.")
     lora_keys = sorted(key for key in run.explicit_keys if key.startswith("lora_") or key in ("use_rslora", "use_dora"))
@@ -200,7 +226,41 @@ def check(run: RunConfig) -> None:
             f"{source}: `lora_target_parameters` adapts mixture-of-experts weights, which "
             f"{model.model_name_or_path} does not have; remove it or use lora_target_modules."
         )
+    check_deepspeed_agrees(run)
+    check_resume_checkpoint(run)
     check_output_dir(run)
+
+
+# DeepSpeed JSON keys that must equal the recipe's value when they are not "auto".
+DEEPSPEED_RECIPE_KEYS = {
+    "train_micro_batch_size_per_gpu": "per_device_train_batch_size",
+    "gradient_accumulation_steps": "gradient_accumulation_steps",
+    "gradient_clipping": "max_grad_norm",
+}
+
+
+def check_deepspeed_agrees(run: RunConfig) -> None:
+    """A DeepSpeed JSON that hard-codes a batch size, accumulation or clipping the recipe contradicts."""
+    config_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true" or not config_file:
+        return
+    deepspeed = read_deepspeed_config(config_file)
+    for ds_key, recipe_key in DEEPSPEED_RECIPE_KEYS.items():
+        value, wanted = deepspeed.get(ds_key, "auto"), getattr(run.training, recipe_key)
+        if value != "auto" and float(value) != float(wanted):
+            raise UserError(
+                f"{config_file}: `{ds_key}: {value}` contradicts the recipe's `{recipe_key}: {wanted}`; "
+                f"set it to \"auto\" so the recipe decides."
+            )
+
+
+def check_resume_checkpoint(run: RunConfig) -> None:
+    """--resume_from_checkpoint must name a complete checkpoint (see finetune/checkpoints.py)."""
+    from finetune import checkpoints
+
+    requested = run.training.resume_from_checkpoint
+    if requested and str(requested).lower() not in ("true", "1", "yes"):
+        checkpoints.resume_point(requested, run.training.output_dir, announce=False)
 
 
 def _is_mixture_of_experts(model_name_or_path: str | None) -> bool:
@@ -269,6 +329,8 @@ def run_identity(run: RunConfig) -> dict:
 def check_output_dir(run: RunConfig) -> None:
     """Never write over another run's files: an output folder is either empty, ours to resume, or refused."""
     output_dir = Path(run.training.output_dir)
+    if output_dir.exists() and not output_dir.is_dir():
+        raise UserError(f"{output_dir}: output_dir is a file, not a folder; pick a new or empty folder for --output_dir.")
     if not output_dir.exists() or not any(output_dir.iterdir()):
         return
     record_file = output_dir / RUN_RECORD

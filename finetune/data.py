@@ -5,6 +5,7 @@ Chat formatting, tokenization, packing and loss masking are TRL's; this module o
 rows TRL would silently mis-train on (an empty assistant turn, a conversation that never lets the assistant speak).
 """
 
+import json
 import logging
 from pathlib import Path
 
@@ -31,6 +32,8 @@ def _load(name: str, config_name: str | None) -> DatasetDict:
     if path.is_file():
         if path.suffix not in FILE_BUILDERS:
             raise UserError(f"{name}: unsupported dataset file type; use one of {', '.join(FILE_BUILDERS)}.")
+        if path.suffix == ".jsonl":
+            _check_json_lines(path, name)
         try:
             return load_dataset(FILE_BUILDERS[path.suffix], data_files=str(path))
         except Exception as error:
@@ -42,6 +45,20 @@ def _load(name: str, config_name: str | None) -> DatasetDict:
             f"{name}: the dataset could not be loaded ({_first_line(error)}); without network pass a local "
             f"folder or .jsonl/.json/.parquet/.csv file to --dataset_name."
         ) from None
+
+
+def _check_json_lines(path: Path, name: str) -> None:
+    """Name the first line of a .jsonl file that is not a JSON object (`datasets` only says the file failed)."""
+    with open(path, encoding="utf-8", errors="replace") as lines:
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise UserError(f"{name}: line {number} is not valid JSON ({error.msg}); fix or remove that line.") from None
+            if not isinstance(row, dict):
+                raise UserError(f"{name}: line {number} is not a JSON object; make each line one {{...}} row.")
 
 
 def _first_line(error: Exception) -> str:

@@ -33,13 +33,7 @@ def model_family(model_name_or_path: str) -> str:
 def resolve_model_path(run: RunConfig) -> str:
     """The folder or hub id to load: the recipe's model, or its tiny stand-in under --tiny."""
     name = run.model.model_name_or_path
-    if not name:
-        raise UserError(f"{run.recipe_path or 'command line'}: `model_name_or_path` is not set; give a hub id or a folder.")
-    if run.finetune.tiny:
-        return str(tiny.tiny_model_folder(model_family(name)))
-    if name.startswith((".", "/", "~")) and not Path(name).expanduser().is_dir():
-        raise UserError(f"{name}: model folder not found; fix --model_name_or_path (a hub id or a local folder).")
-    return name
+    return str(tiny.tiny_model_folder(model_family(name))) if run.finetune.tiny else name
 
 
 def load_tokenizer(model_path: str, assistant_only_loss: bool):
