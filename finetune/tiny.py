@@ -88,6 +88,7 @@ def tiny_model_folder(family: str) -> Path:
     import os
     import tempfile
 
+    import safetensors.torch
     import torch
     import transformers
     from transformers import AutoModelForCausalLM, GenerationConfig
@@ -106,7 +107,11 @@ def tiny_model_folder(family: str) -> Path:
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id, eos_token_id=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id
     )
-    model.save_pretrained(staging)
+    # Every process writes its own complete copy: save_pretrained writes nothing on ranks other than 0 once a process
+    # group exists, and on several nodes each node needs the folder in its own cache.
+    model.config.save_pretrained(staging)
+    model.generation_config.save_pretrained(staging)
+    safetensors.torch.save_model(model, str(staging / "model.safetensors"), metadata={"format": "pt"})
     tokenizer.save_pretrained(staging)
     try:
         staging.rename(folder)

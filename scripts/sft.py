@@ -8,15 +8,20 @@ With no arguments it trains the tiny Llama on the bundled sample data (see finet
 from finetune import config, data, model, train
 
 
-def main(argv: list[str] | None = None) -> None:
+def prepare(argv: list[str] | None = None):
+    """Parse, check, load: the run, its trainer ready to train, and the tokenizer."""
     run = config.parse_args(argv)
     config.check(run)
     train_set, eval_set = data.load_datasets(run.script, run.training)
     model_path = model.resolve_model_path(run)
     tokenizer = model.load_tokenizer(model_path, run.training.assistant_only_loss)
     trainer = train.build_trainer(run, model.load_model(run, model_path), tokenizer, train_set, eval_set)
-    train.train_and_save(trainer, run, tokenizer)
+    return run, trainer, tokenizer
 
+
+def main(argv: list[str] | None = None) -> None:
+    run, trainer, tokenizer = prepare(argv)
+    train.train_and_save(trainer, run, tokenizer)
 
 if __name__ == "__main__":
     config.exit_on_user_error(main)

@@ -21,9 +21,11 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 
-from finetune import config, data, model, train  # noqa: E402
+from sft import prepare  # noqa: E402  (scripts/sft.py: the same parse, check and load as a real run)
+
+from finetune import config, model  # noqa: E402
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
@@ -107,14 +109,9 @@ def measure(trainer, model_path: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    run = config.parse_args(argv)
-    config.check(run)
-    train_set, eval_set = data.load_datasets(run.script, run.training)
-    model_path = model.resolve_model_path(run)
-    tokenizer = model.load_tokenizer(model_path, run.training.assistant_only_loss)
-    trainer = train.build_trainer(run, model.load_model(run, model_path), tokenizer, train_set, eval_set)
+    run, trainer, _ = prepare(argv)
     trainer.train()
-    print("[sharding-probe] " + json.dumps(measure(trainer, model_path)), flush=True)
+    print("[sharding-probe] " + json.dumps(measure(trainer, model.resolve_model_path(run))), flush=True)
     trainer.accelerator.wait_for_everyone()
 
 
