@@ -9,9 +9,9 @@ from pathlib import Path
 
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel, TrainerCallback
-from transformers.trainer_utils import get_last_checkpoint
 from trl import SFTTrainer
 
+from finetune import checkpoints
 from finetune import model as model_loading
 from finetune.config import RUN_RECORD, RunConfig, UserError, accelerate_config_file, requested_strategy, run_identity
 
@@ -97,26 +97,28 @@ def build_trainer(run: RunConfig, model: PreTrainedModel, tokenizer, train_set, 
         peft_config=model_loading.lora_config(run),
     )
     trainer.add_callback(SetupCheck(trainer, accelerate_config_file()))
+    checkpoints.make_preemption_safe(trainer)  # completeness markers, safe rotation, SIGTERM saves
     return trainer
 
 
 def last_checkpoint(output_dir: str) -> str | None:
-    return get_last_checkpoint(output_dir) if Path(output_dir).is_dir() else None
+    """The newest complete checkpoint (see finetune/checkpoints.py); half-written ones are skipped."""
+    chosen = checkpoints.newest_complete(output_dir)
+    return str(chosen) if chosen is not None else None
 
 
 def train_and_save(trainer: SFTTrainer, run: RunConfig, tokenizer) -> None:
     output_dir = run.training.output_dir
-    resume_from = run.training.resume_from_checkpoint or last_checkpoint(output_dir)
+    resume_from = checkpoints.resume_point(run.training.resume_from_checkpoint, output_dir)  # prints its choice
     is_main = trainer.accelerator.is_main_process
     if is_main:
         Path(output_dir).mkdir(parents=True, exist_ok=True)
         (Path(output_dir) / RUN_RECORD).write_text(json.dumps(run_identity(run), indent=2) + "\n")
-        if resume_from:
-            print(f"[finetune] resuming from {resume_from}", flush=True)
     show_answers = run.finetune.sample_prompt and trainer.accelerator.num_processes == 1
     if show_answers:
         before = model_loading.answer(trainer.model, tokenizer, run.finetune.sample_prompt)
     trainer.train(resume_from_checkpoint=resume_from)
+    checkpoints.exit_if_preempted(trainer)  # SIGTERM: the checkpoint is saved; exit 143 without the final save
     trainer.save_model(output_dir)
     trainer.save_state()  # trainer_state.json: the full-precision loss history beside the model
     if is_main:

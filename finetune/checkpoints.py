@@ -1,0 +1,354 @@
+"""Preemption-safe checkpoints: a run killed at any moment resumes from a complete checkpoint, and SIGTERM is a save.
+
+- **Completeness marker.** The Trainer writes `checkpoint-N/` file by file; a kill during that write leaves a folder
+  that looks like a checkpoint but is not one. After every rank has finished writing, the main process fsyncs the
+  files and writes `finetune_checkpoint.json` last (write aside, fsync, rename) listing every file and its size.
+  Resume (`resume_point`) takes the newest checkpoint whose marker is there and whose files all match it, and prints
+  which one it took and why it skipped any other (no marker, a file missing, a file truncated, a broken safetensors).
+- **Rotation after the marker.** `save_total_limit` rotation is moved from inside the Trainer's save (before the
+  marker exists) to after the marker is written, and it only ever deletes checkpoints older than the newest complete
+  one, so it never deletes the only complete checkpoint.
+- **SIGTERM is a save.** A SIGTERM only sets a flag; at the next step boundary every rank agrees on it (one all-reduce
+  of a flag per step), the checkpoint of that step is written, training stops, and the process exits with
+  `PREEMPTED_EXIT_CODE` (143 = 128 + SIGTERM, "terminated, not finished": a requeue loop relaunches it, and the
+  relaunch resumes from that checkpoint). The time from the signal to the saved checkpoint is printed: the grace
+  period the scheduler gives between SIGTERM and SIGKILL must be longer than that.
+- **Faults at save time.** A save that fails (no space left, no write permission, read-only file system) ends as a
+  `UserError` naming the folder, the reason and the fix; the half-written folder is removed and the previous complete
+  checkpoint is left as it was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import re
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+
+from transformers import TrainerCallback
+
+from finetune.config import UserError
+
+MARKER = "finetune_checkpoint.json"
+PREEMPTED_EXIT_CODE = 143
+CHECKPOINT_PATTERN = re.compile(r"^checkpoint-(\d+)$")
+# What a checkpoint needs besides its weights to resume exactly: one of these names for the optimizer state.
+OPTIMIZER_STATE = ("optimizer.pt", "optimizer.bin", "optimizer_0", "pytorch_model_fsdp_0")
+
+
+def _is_main() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def _say(message: str) -> None:
+    print(f"[finetune] {message}", flush=True)
+
+
+# ---- Reading checkpoints -----------------------------------------------------------------------------------------
+
+
+def checkpoint_folders(output_dir: str | Path) -> list[tuple[int, Path]]:
+    """The `checkpoint-N` folders of a run, oldest step first."""
+    folder = Path(output_dir)
+    if not folder.is_dir():
+        return []
+    found = [(int(match.group(1)), path) for path in folder.iterdir()
+             if path.is_dir() and (match := CHECKPOINT_PATTERN.match(path.name))]
+    return sorted(found)
+
+
+def safetensors_problem(path: Path) -> str | None:
+    """Why a .safetensors file cannot be read whole (truncated, bad header), or None."""
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as handle:
+            header_length = int.from_bytes(handle.read(8), "little")
+            if size < 8 or 8 + header_length > size:
+                return f"{path.name} is truncated ({size} bytes, shorter than its own header)"
+            header = json.loads(handle.read(header_length))
+    except (OSError, ValueError, UnicodeDecodeError):
+        return f"{path.name} has an unreadable header"
+    data_end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"), default=0)
+    expected = 8 + header_length + data_end
+    if size < expected:
+        return f"{path.name} is truncated ({size} of {expected} bytes)"
+    if size > expected:
+        return f"{path.name} has {size - expected} bytes past its tensors"
+    return None
+
+
+def checkpoint_problem(folder: Path) -> str | None:
+    """Why a checkpoint folder must not be resumed from, or None when it is complete."""
+    marker_file = folder / MARKER
+    if not marker_file.is_file():
+        return f"no completeness marker ({MARKER}), so its save was interrupted"
+    try:
+        files = json.loads(marker_file.read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"its completeness marker {MARKER} is unreadable"
+    for name, size in sorted(files.items()):
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != size:
+            return f"{name} is truncated or changed ({path.stat().st_size} of {size} bytes)"
+    names = set(files)
+    if not any(name.endswith(".safetensors") or name.startswith(("global_step", "pytorch_model_fsdp")) for name in names):
+        return "it holds no weights (no .safetensors file)"
+    if "trainer_state.json" not in names:
+        return "trainer_state.json is missing"
+    if not any(name.split("/")[0] in OPTIMIZER_STATE or name.startswith("global_step") for name in names):
+        return "it holds no optimizer state (optimizer.pt is missing)"
+    for name in sorted(names):
+        if name.endswith(".safetensors"):
+            problem = safetensors_problem(folder / name)
+            if problem:
+                return problem
+    return None
+
+
+def newest_complete(output_dir: str | Path, report: bool = False) -> Path | None:
+    """The newest complete checkpoint of a run; with `report`, say which one and why newer ones were skipped."""
+    chosen, skipped = None, []
+    for step, folder in reversed(checkpoint_folders(output_dir)):
+        problem = checkpoint_problem(folder)
+        if problem is None:
+            chosen = folder
+            break
+        skipped.append((folder, problem))
+    if report:
+        for folder, problem in skipped:
+            _say(f"skipping {folder}: {problem}")
+        if chosen is not None and skipped:
+            _say(f"resuming from {chosen}: the newest complete checkpoint")
+        elif chosen is not None:
+            _say(f"resuming from {chosen}")
+        elif skipped:
+            _say(f"no complete checkpoint in {output_dir}: training from the start")
+    return chosen
+
+
+def resume_point(requested: str | None, output_dir: str, announce: bool = True) -> str | None:
+    """What `trainer.train(resume_from_checkpoint=...)` gets: the checkpoint asked for, checked, or the newest
+    complete one in output_dir (None: start from scratch). Prints the choice on the main process."""
+    if requested and str(requested).lower() not in ("true", "1", "yes"):
+        problem = checkpoint_problem(Path(requested)) if Path(requested).is_dir() else "the folder does not exist"
+        if problem:
+            raise UserError(
+                f"{requested}: cannot resume from this checkpoint ({problem}); pass another checkpoint-N folder to "
+                f"--resume_from_checkpoint, or leave it out to resume from the newest complete one."
+            )
+        if announce and _is_main():
+            _say(f"resuming from {requested}")
+        return str(requested)
+    chosen = newest_complete(output_dir, report=_is_main())
+    return str(chosen) if chosen is not None else None
+
+
+# ---- Writing checkpoints -----------------------------------------------------------------------------------------
+
+
+def _fsync(path: Path) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def write_marker(folder: Path, step: int, world_size: int) -> None:
+    """Flush every file of a finished checkpoint to disk, then write the marker that says it is complete."""
+    files = {}
+    for path in sorted(folder.rglob("*")):
+        if path.is_file() and path.name != MARKER and not path.name.endswith(".tmp"):
+            _fsync(path)
+            files[str(path.relative_to(folder))] = path.stat().st_size
+    marker = {"step": step, "world_size": world_size, "written_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "files": files}
+    temporary = folder / (MARKER + ".tmp")
+    with open(temporary, "w") as handle:
+        handle.write(json.dumps(marker, indent=1) + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temporary, folder / MARKER)
+    _fsync(folder)
+
+
+def rotate(output_dir: str | Path, save_total_limit: int | None, keep: set[Path] = frozenset()) -> list[Path]:
+    """`save_total_limit`, applied only once the newest checkpoint is complete: keep the newest `save_total_limit`
+    complete checkpoints (and `keep`), delete older complete ones and incomplete ones older than the newest complete
+    one. Never deletes the newest complete checkpoint, nor anything newer than it."""
+    if not save_total_limit or save_total_limit <= 0:
+        return []
+    folders = checkpoint_folders(output_dir)
+    complete = [folder for _, folder in folders if checkpoint_problem(folder) is None]
+    if not complete:
+        return []
+    newest_step = int(CHECKPOINT_PATTERN.match(complete[-1].name).group(1))
+    kept = set(complete[-save_total_limit:]) | {Path(path).resolve() for path in keep}
+    deleted = []
+    for step, folder in folders:
+        if step >= newest_step or folder in kept or folder.resolve() in kept:
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+        deleted.append(folder)
+    return deleted
+
+
+@contextlib.contextmanager
+def _rotation_deferred():
+    """The Trainer rotates checkpoints inside its save, before the marker exists; skip that, `rotate` runs later."""
+    import transformers.trainer as trainer_module
+
+    original = trainer_module.rotate_checkpoints
+    trainer_module.rotate_checkpoints = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        trainer_module.rotate_checkpoints = original
+
+
+IO_ERRNOS = {errno.ENOSPC: "no space left on the device", errno.EACCES: "no write permission",
+             errno.EPERM: "no write permission", errno.EROFS: "the file system is read-only", errno.EDQUOT: "disk quota exceeded"}
+IO_WORDS = {"no space left": errno.ENOSPC, "storagefull": errno.ENOSPC, "permission denied": errno.EACCES,
+            "read-only file system": errno.EROFS, "readonlyfilesystem": errno.EROFS, "quota": errno.EDQUOT}
+# What torch.save and safetensors say when a write fails without an errno (a full disk, as a rule).
+UNSPECIFIC_WRITE_FAILURES = ("file write failed", "unexpected pos", "ioerror", "error while serializing")
+
+
+def save_failure_reason(error: BaseException, folder: str | Path | None = None) -> str | None:
+    """'no space left on the device' and the like when a save failed for a reason in the user's hands, else None."""
+    if isinstance(error, OSError) and error.errno in IO_ERRNOS:
+        return IO_ERRNOS[error.errno]
+    text = str(error).lower().replace(" ", "")
+    for words, code in IO_WORDS.items():
+        if words.replace(" ", "") in text:
+            return IO_ERRNOS[code]
+    if isinstance(error, OSError) or any(words.replace(" ", "") in text for words in UNSPECIFIC_WRITE_FAILURES):
+        free = _free_bytes(folder)
+        if free is not None and free < 16 * 2**20:
+            return f"{IO_ERRNOS[errno.ENOSPC]}: {free // 1024} KiB free"
+        return f"a write failed: {str(error).splitlines()[0] if str(error) else type(error).__name__}"
+    return None
+
+
+def _free_bytes(folder: str | Path | None) -> int | None:
+    try:
+        return shutil.disk_usage(folder).free if folder is not None else None
+    except OSError:
+        return None
+
+
+def _any_rank(trainer, flag: bool) -> bool:
+    import torch
+    import torch.distributed as dist
+
+    if trainer.accelerator.num_processes == 1 or not dist.is_available() or not dist.is_initialized():
+        return flag
+    tensor = torch.tensor([1.0 if flag else 0.0], device=trainer.accelerator.device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return bool(tensor.item() > 0)
+
+
+def _safe_save_checkpoint(trainer, original_save, model, trial=None) -> None:
+    step = trainer.state.global_step
+    run_dir = Path(trainer._get_output_dir(trial=trial))
+    folder = run_dir / f"checkpoint-{step}"
+    main = trainer.accelerator.is_main_process
+    if main and folder.is_dir() and not (folder / MARKER).is_file():
+        shutil.rmtree(folder)  # an earlier save of this same step was interrupted; write it afresh
+        _say(f"removed {folder}: an interrupted save of the same step")
+    trainer.accelerator.wait_for_everyone()
+    started, failure = time.monotonic(), None
+    try:
+        with _rotation_deferred():
+            original_save(model, trial)
+    except Exception as error:  # noqa: BLE001 - a failed write is reported below; anything else is re-raised
+        if save_failure_reason(error, run_dir) is None:
+            raise
+        failure = error
+    if _any_rank(trainer, failure is not None):
+        previous = newest_complete(run_dir)
+        if main:
+            shutil.rmtree(folder, ignore_errors=True)
+        if failure is None:
+            sys.exit(2)  # another rank failed to write and reports it
+        keep = f"{previous} is intact and a relaunch resumes from it" if previous else "no earlier checkpoint exists"
+        raise UserError(
+            f"{run_dir}: could not write {folder.name} ({save_failure_reason(failure, run_dir)}); {keep}; free space or fix "
+            f"the folder's permissions (or pick another --output_dir) and relaunch."
+        )
+    if main:
+        write_marker(folder, step, trainer.accelerator.num_processes)
+        for deleted in rotate(run_dir, trainer.args.save_total_limit, {trainer.state.best_model_checkpoint} - {None}):
+            _say(f"deleted {deleted} (save_total_limit={trainer.args.save_total_limit})")
+    trainer.accelerator.wait_for_everyone()
+    trainer._finetune_last_save_seconds = time.monotonic() - started
+
+
+# ---- SIGTERM -----------------------------------------------------------------------------------------------------
+
+
+class Preemption(TrainerCallback):
+    """SIGTERM → finish the step, save a checkpoint on every rank, stop; `exit_if_preempted` then exits."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.signal_time: float | None = None
+        self.stopped_at: int | None = None
+        self.longest_step = 0.0
+        self._step_started = None
+        self._previous_handler = None
+
+    def _on_signal(self, signum, frame):
+        if self.signal_time is None:
+            self.signal_time = time.monotonic()
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._previous_handler = signal.signal(signal.SIGTERM, self._on_signal)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._step_started = time.monotonic()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self._step_started is not None:
+            self.longest_step = max(self.longest_step, time.monotonic() - self._step_started)
+        if self.stopped_at is None and _any_rank(self.trainer, self.signal_time is not None):
+            if self.signal_time is None:
+                self.signal_time = time.monotonic()  # another rank got the signal
+            if state.global_step < state.max_steps:
+                self.stopped_at = state.global_step
+                control.should_save = True
+                control.should_training_stop = True
+        return control
+
+
+def make_preemption_safe(trainer) -> None:
+    """Give a Trainer completeness markers, rotation after the marker, clear save errors and SIGTERM-as-save."""
+    original = trainer._save_checkpoint
+    trainer._save_checkpoint = lambda model, trial=None: _safe_save_checkpoint(trainer, original, model, trial)
+    trainer._finetune_preemption = Preemption(trainer)
+    trainer.add_callback(trainer._finetune_preemption)
+
+
+def exit_if_preempted(trainer) -> None:
+    """After `trainer.train()`: when a SIGTERM stopped it, say what was saved and how long it took, and exit 143."""
+    preemption = getattr(trainer, "_finetune_preemption", None)
+    if preemption is None or preemption.stopped_at is None:
+        return
+    if trainer.accelerator.is_main_process:
+        after_signal = time.monotonic() - preemption.signal_time
+        save_seconds = getattr(trainer, "_finetune_last_save_seconds", 0.0)
+        _say(
+            f"SIGTERM: stopped after step {preemption.stopped_at} of {trainer.state.max_steps} and saved "
+            f"checkpoint-{preemption.stopped_at} {after_signal:.2f} s after the signal (longest step "
+            f"{preemption.longest_step:.2f} s, save {save_seconds:.2f} s); the grace period between SIGTERM and "
+            f"SIGKILL must exceed the longest step plus the save ({preemption.longest_step + save_seconds:.2f} s here). "
+            f"Relaunch the same command to resume; exiting with code {PREEMPTED_EXIT_CODE}."
+        )
+    sys.exit(PREEMPTED_EXIT_CODE)

@@ -1,0 +1,192 @@
+"""Bad input, widened (issue 6): recipes, dataset files, config files and flags that tests/test_config.py does not try.
+
+Each case ends in one sentence naming the file, the field and the fix, a non-zero exit, no traceback, no model loaded,
+and nothing changed in an output folder that already holds a run.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ACCELERATE, ROOT
+from test_config import folder_digest, good_turns, recipe_with, write
+
+LORA = ROOT / "recipes" / "llama-3.2-1b" / "lora.yaml"
+FULL = ROOT / "recipes" / "llama-3.2-1b" / "full.yaml"
+TINY = ["--config", str(FULL), "--tiny"]
+
+
+def rows_file(tmp: Path, rows: list, name: str = "rows.jsonl") -> Path:
+    return write(tmp / name, "".join(row if isinstance(row, str) else json.dumps(row) + "\n" for row in rows))
+
+
+def recipe(tmp: Path, text: str) -> list[str]:
+    return ["--config", str(write(tmp / "recipe.yaml", text))]
+
+
+def data(tmp: Path, rows: list, name: str = "rows.jsonl") -> list[str]:
+    return [*TINY, "--dataset_name", str(rows_file(tmp, rows, name))]
+
+
+def user(text: str = "hi") -> dict:
+    return {"role": "user", "content": text}
+
+
+def assistant(text: str = "hello") -> dict:
+    return {"role": "assistant", "content": text}
+
+
+def accelerate_config(tmp: Path, deepspeed: dict | None = None, deepspeed_file: str | None = None) -> Path:
+    """A ZeRO-2 accelerate file for one process, pointing at a DeepSpeed JSON written from `deepspeed`."""
+    ds_path = deepspeed_file or str(write(tmp / "ds.json", json.dumps(deepspeed) if isinstance(deepspeed, dict) else deepspeed))
+    return write(tmp / "accelerate.yaml", (
+        "compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\ndeepspeed_config:\n"
+        f"  deepspeed_config_file: {ds_path}\n  zero3_init_flag: false\nmachine_rank: 0\nnum_machines: 1\n"
+        "num_processes: 1\nuse_cpu: true\n"))
+
+
+DS_AUTO = {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto",
+           "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "train_batch_size": "auto"}
+
+# (name, arguments (a function of tmp_path), words the error sentence must hold, accelerate config or None)
+BAD_INPUTS = [
+    # --- recipes
+    ("recipe key misspelled (ModelConfig)", lambda t: ["--tiny", *recipe(t, LORA.read_text() + "\nuse_pft: true\n")],
+     ["recipe.yaml", "unknown key `use_pft`", "spelling"]),
+    ("recipe key from another tool", lambda t: ["--tiny", *recipe(t, FULL.read_text() + "\nepochs: 3\n")],
+     ["recipe.yaml", "unknown key `epochs`", "remove it"]),
+    ("float field given a word", lambda t: ["--tiny", *recipe(t, FULL.read_text() + "\nlearning_rate: fast\n")],
+     ["recipe.yaml", "`learning_rate: fast`", "not a valid float"]),
+    ("int field given a float", lambda t: ["--tiny", *recipe(t, FULL.read_text() + "\nmax_steps: 2.5\n")],
+     ["recipe.yaml", "`max_steps: 2.5`", "not a valid int"]),
+    ("bool field given a word", lambda t: ["--tiny", *recipe(t, FULL.read_text() + "\nuse_peft: maybe\n")],
+     ["recipe.yaml", "`use_peft: maybe`", "give it a value of that type"]),
+    ("choice field given an unknown value", lambda t: ["--tiny", *recipe(t, FULL.read_text() + "\nlr_scheduler_type: wiggly\n")],
+     ["recipe.yaml", "lr_scheduler_type", "wiggly"]),
+    ("recipe that is a list", lambda t: [*recipe(t, "- model_name_or_path: x\n- use_peft: true\n")],
+     ["recipe.yaml", "YAML mapping", "rewrite"]),
+    ("empty recipe file", lambda t: [*recipe(t, "")],
+     ["recipe.yaml", "YAML mapping"]),
+    ("recipe env that is not a mapping", lambda t: ["--tiny", *recipe(t, FULL.read_text() + "\nenv: [A=1]\n")],
+     ["recipe.yaml", "`env`", "mapping"]),
+    ("recipe without a model", lambda t: [*recipe(t, f"dataset_name: {ROOT / 'data' / 'sample'}\nuse_peft: false\n")],
+     ["recipe.yaml", "`model_name_or_path` is not set", "give a hub id"]),
+    ("DoRA on a full fine-tuning recipe", lambda t: [*TINY, "--use_dora", "true"],
+     ["full.yaml", "`use_dora`", "use_peft"]),
+    ("LoRA dropout on a full fine-tuning recipe", lambda t: ["--tiny", *recipe(t, FULL.read_text() + "\nlora_dropout: 0.1\n")],
+     ["recipe.yaml", "`lora_dropout`", "use_peft: true"]),
+    # --- dataset files
+    ("bad JSON line", lambda t: data(t, [{"messages": good_turns()}, '{"messages": [oops\n']),
+     ["rows.jsonl", "line 2 is not valid JSON", "fix or remove that line"]),
+    ("prompt without completion column", lambda t: data(t, [{"prompt": "a"}]),
+     ["rows.jsonl", "['prompt']", "`prompt` + `completion`"]),
+    ("empty conversation", lambda t: data(t, [{"messages": good_turns()}, {"messages": []}]),
+     ["rows.jsonl", "row 2", "empty `messages` list"]),
+    ("assistant speaks first", lambda t: data(t, [{"messages": [assistant(), user()]}]),
+     ["rows.jsonl", "row 1", "turn 1", "assistant turn after 'start'"]),
+    ("two assistant turns in a row", lambda t: data(t, [{"messages": [user(), assistant(), assistant("again")]}]),
+     ["rows.jsonl", "row 1", "turn 3", "assistant turn after 'assistant'"]),
+    ("unknown role", lambda t: data(t, [{"messages": [{"role": "bot", "content": "x"}, assistant()]}]),
+     ["rows.jsonl", "row 1", "role 'bot'", "use one of"]),
+    ("content that is not text", lambda t: data(t, [{"messages": [{"role": "user", "content": 7}, assistant()]}]),
+     ["rows.jsonl", "row 1", "turn 1"]),
+    ("empty text row", lambda t: data(t, [{"text": "ok"}, {"text": "   "}]),
+     ["rows.jsonl", "row 2", "empty `text`", "remove the row"]),
+    ("empty completion", lambda t: data(t, [{"prompt": "a", "completion": ""}]),
+     ["rows.jsonl", "row 1", "empty `completion`"]),
+    ("unsupported file type", lambda t: [*TINY, "--dataset_name", str(write(t / "rows.txt", "hello\n"))],
+     ["rows.txt", "unsupported dataset file type", ".jsonl"]),
+    ("train split that does not exist", lambda t: [*data(t, [{"messages": good_turns()}]), "--dataset_train_split", "training"],
+     ["rows.jsonl", "no split named `training`", "--dataset_train_split"]),
+    # --- config files (through the real launcher)
+    ("DeepSpeed JSON batch size contradicts the recipe",
+     lambda t: [*TINY, "--per_device_train_batch_size", "8"],
+     ["ds.json", "`train_micro_batch_size_per_gpu: 4`", "per_device_train_batch_size: 8", "\"auto\""],
+     lambda t: accelerate_config(t, {**DS_AUTO, "train_micro_batch_size_per_gpu": 4})),
+    ("DeepSpeed JSON accumulation contradicts the recipe",
+     lambda t: [*TINY, "--gradient_accumulation_steps", "1"],
+     ["ds.json", "`gradient_accumulation_steps: 8`", "gradient_accumulation_steps: 1"],
+     lambda t: accelerate_config(t, {**DS_AUTO, "gradient_accumulation_steps": 8})),
+    ("DeepSpeed JSON that is not JSON", lambda t: TINY, ["ds.json", "not valid JSON", "line"],
+     lambda t: accelerate_config(t, '{"zero_optimization": {"stage": 2},,}')),
+    ("DeepSpeed JSON file missing", lambda t: TINY, ["accelerate.yaml", "missing.json", "not found"],
+     lambda t: accelerate_config(t, deepspeed_file=str(t / "missing.json"))),
+    # --- flags
+    ("flag without its value", lambda t: [*TINY, "--output_dir", str(t / "new"), "--max_steps"],
+     ["command line", "--max_steps", "expected one argument", "fix that flag"]),
+    ("flag given a word for a number", lambda t: [*TINY, "--per_device_train_batch_size", "eight"],
+     ["command line", "--per_device_train_batch_size", "invalid int value: 'eight'", "fix that flag"]),
+    ("--config without a path", lambda t: ["--tiny", "--output_dir", str(t / "new"), "--config"],
+     ["command line", "--config needs a recipe path"]),
+    ("output_dir that is a file", lambda t: [*TINY, "--output_dir", str(write(t / "taken", "a file"))],
+     ["taken", "is a file", "--output_dir"]),
+    ("resume from a folder that does not exist", lambda t: [*TINY, "--resume_from_checkpoint", str(t / "checkpoint-9")],
+     ["checkpoint-9", "does not exist", "--resume_from_checkpoint"]),
+    ("resume from a half-written checkpoint",
+     lambda t: [*TINY, "--resume_from_checkpoint", str(write(t / "checkpoint-4" / "trainer_state.json", "{}").parent)],
+     ["checkpoint-4", "no completeness marker", "--resume_from_checkpoint"]),
+]
+
+
+def run(arguments: list[str], launcher: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run([*launcher, str(ROOT / "scripts" / "sft.py"), *arguments], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT, env=os.environ.copy())
+
+
+def existing_run(folder: Path, arguments: list[str]) -> Path:
+    """An output folder holding a run of the same identity (so that it would be resumed, not refused as another
+    run's), with a checkpoint and weights: no bad launch may change a byte of it."""
+    from finetune.config import UserError, parse_args, run_identity
+
+    try:
+        identity = run_identity(parse_args([*arguments, "--output_dir", str(folder)]))
+    except UserError:
+        identity = {"model_name_or_path": "meta-llama/Llama-3.2-1B-Instruct", "tiny": True, "use_peft": False,
+                    "dataset_name": str(ROOT / "data" / "sample")}
+    write(folder / "finetune_run.json", json.dumps(identity, indent=2) + "\n")
+    write(folder / "checkpoint-2" / "trainer_state.json", '{"global_step": 2}')
+    write(folder / "model.safetensors", "weights")
+    return folder
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS, ids=[case[0] for case in BAD_INPUTS])
+def test_bad_input_is_one_sentence_naming_file_field_and_fix(case, tmp_path):
+    name, build_args, expected_words, *config = case
+    arguments = build_args(tmp_path)
+    output_dir = tmp_path / "existing-run"
+    if "--output_dir" not in arguments:
+        existing_run(output_dir, arguments)
+        arguments = [*arguments, "--output_dir", str(output_dir)]
+    else:
+        output_dir.mkdir()
+    launcher = [sys.executable]
+    if config:
+        launcher = [ACCELERATE, "launch", "-q", "--config_file", str(config[0](tmp_path))]
+    before = folder_digest(output_dir)
+    result = run(arguments, launcher)
+    assert result.returncode != 0, result.stdout[-2000:]
+    if launcher == [sys.executable]:
+        assert result.returncode == 2
+    if launcher == [sys.executable]:
+        assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    else:
+        # torchrun (which accelerate uses for DeepSpeed even with one process) always ends a failed child with a
+        # ChildFailedError traceback of its own; the training process itself must not print one.
+        assert not re.search(r'File "[^"]*(finetune/|scripts/sft\.py)', result.stderr), result.stderr[-3000:]
+    errors = re.findall(r"error: [^\r\n]*", result.stderr)
+    assert len(errors) == 1, result.stderr[-3000:]
+    sentence = errors[0]
+    assert sentence.rstrip().endswith(".") and sentence.count("; ") >= 1 or "(" in sentence, sentence
+    for word in expected_words:
+        assert word in sentence, f"{word!r} missing from: {sentence}"
+    assert "Loading weights" not in result.stderr + result.stdout, "the check must come before the model loads"
+    assert folder_digest(output_dir) == before, "a refused run changes nothing in an existing output folder"
+
+
+def test_the_table_is_at_least_thirty_cases():
+    assert len(BAD_INPUTS) >= 30

@@ -1,0 +1,436 @@
+"""Fault injection: runs of the tiny model are killed (SIGKILL) at seeded random steps and save moments, stopped by
+SIGTERM, given a full disk, a folder they may not write to, and corrupted checkpoints; every one is relaunched with the
+same command and must end with exactly the weights and loss curve of an uninterrupted run.
+
+Kills are chained: one run is killed at K positions in increasing order (each relaunch resumes and runs on to the next
+kill), so K kills cost K + 1 launches; every complete checkpoint left behind after each kill is compared with the
+uninterrupted run's checkpoint of the same step, and the final weights and full-precision losses at the end.
+"""
+
+import json
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import ACCELERATE, ROOT
+from finetune.checkpoints import MARKER, PREEMPTED_EXIT_CODE, checkpoint_problem
+
+SEED = 20260601  # the kill positions are drawn from this: CI kills at the same places every time
+RECIPE = ROOT / "recipes" / "llama-3.2-1b" / "lora.yaml"
+MAX_STEPS, SAVE_STEPS = 12, 3
+WEIGHTS = "adapter_model.safetensors"
+
+# Runs in every rank instead of scripts/sft.py: arms one fault from FAULT="kind:step", then runs the real script.
+# Kinds: mid_step (after the first backward of that step, before the optimizer step), save_weights (the weights file
+# of checkpoint-step half written), save_optimizer (weights written, optimizer not yet), before_marker (every file
+# written, no marker yet), before_rotation (marker written, older checkpoints not yet rotated), enospc / eacces (the
+# optimizer write of checkpoint-step fails). A kill is a SIGKILL of the whole process group: launcher and all ranks.
+INJECT = r'''
+import errno, os, runpy, signal, sys
+kind, _, step = os.environ.get("FAULT", "none:0").partition(":")
+step = int(step or 0)
+
+def kill():
+    # The launcher's process group (the launcher, and a single-process run's training process), and every rank:
+    # torchrun starts each rank in a session of its own, so the ranks are found as the launcher's children.
+    sys.stdout.flush()
+    leader = os.getppid()  # the launcher: a session leader (the test starts it so), parent of every rank
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            parent = int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        if parent == leader and int(entry) != os.getpid():
+            try:
+                os.kill(int(entry), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    os.killpg(leader, signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+import safetensors.torch
+import transformers
+from finetune import checkpoints
+Trainer = transformers.Trainer
+if kind == "mid_step":
+    original_training_step = Trainer.training_step
+    def training_step(self, *args, **kwargs):
+        result = original_training_step(self, *args, **kwargs)
+        if self.state.global_step + 1 == step and int(os.environ.get("RANK", "0")) == 0:
+            kill()
+        return result
+    Trainer.training_step = training_step
+if kind == "save_weights":
+    original_save_file = safetensors.torch.save_file
+    def save_file(tensors, filename, *args, **kwargs):
+        original_save_file(tensors, filename, *args, **kwargs)
+        if f"checkpoint-{step}" in str(filename):
+            with open(filename, "r+b") as handle:
+                handle.truncate(os.path.getsize(filename) // 2)
+            kill()
+    safetensors.torch.save_file = save_file
+    import peft.peft_model, transformers.modeling_utils
+    peft.peft_model.safe_save_file = transformers.modeling_utils.safe_save_file = save_file  # imported by name
+if kind in ("save_optimizer", "enospc", "eacces"):
+    original_save_optimizer = Trainer._save_optimizer_and_scheduler
+    def save_optimizer(self, output_dir):
+        if self.state.global_step == step:
+            if kind == "save_optimizer":
+                kill()
+            code = errno.ENOSPC if kind == "enospc" else errno.EACCES
+            raise OSError(code, os.strerror(code), os.path.join(output_dir, "optimizer.pt"))
+        return original_save_optimizer(self, output_dir)
+    Trainer._save_optimizer_and_scheduler = save_optimizer
+if kind == "before_marker":
+    original_write_marker = checkpoints.write_marker
+    def write_marker(folder, at_step, world_size):
+        if at_step == step:
+            kill()
+        return original_write_marker(folder, at_step, world_size)
+    checkpoints.write_marker = write_marker
+if kind == "before_rotation":
+    original_rotate = checkpoints.rotate
+    def rotate(output_dir, *args, **kwargs):
+        if (__import__("pathlib").Path(output_dir) / f"checkpoint-{step}" / checkpoints.MARKER).exists():
+            kill()
+        return original_rotate(output_dir, *args, **kwargs)
+    checkpoints.rotate = rotate
+sys.argv = [os.environ["SFT_SCRIPT"], *sys.argv[1:]]
+runpy.run_path(os.environ["SFT_SCRIPT"], run_name="__main__")
+'''
+
+# Order of the moments within one step, for sorting kill positions.
+PHASES = ["mid_step", "save_weights", "save_optimizer", "before_marker", "before_rotation"]
+SAVE_PHASES = PHASES[1:]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launcher(processes: int) -> list[str]:
+    if processes == 1:
+        return [ACCELERATE, "launch", "-q"]
+    return [ACCELERATE, "launch", "-q", "--config_file", str(ROOT / "accelerate_configs" / "ddp.yaml"),
+            "--num_processes", str(processes), "--main_process_port", str(free_port())]
+
+
+class Launch:
+    """One `accelerate launch` in its own process group, so that a kill takes the launcher and every rank."""
+
+    def __init__(self, tmp: Path, processes: int, output_dir: Path, *extra: str, fault: str | None = None):
+        self.log = tmp / f"launch-{time.monotonic_ns()}.log"
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "SFT_SCRIPT": str(ROOT / "scripts" / "sft.py")}
+        if fault:
+            env["FAULT"] = fault
+        inject = tmp / "inject.py"
+        if not inject.exists():
+            inject.write_text(INJECT)
+        command = [*launcher(processes), str(inject), *run_args(tmp, output_dir), *extra]
+        self.handle = open(self.log, "w")
+        self.process = subprocess.Popen(command, cwd=ROOT, stdout=self.handle, stderr=subprocess.STDOUT, env=env,
+                                        start_new_session=True)
+        self.pgid = self.process.pid
+        self.output_dir = str(output_dir)
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def steps_logged(self) -> int:
+        return self.text().count("'loss': ")
+
+    def group_alive(self) -> bool:
+        """The launcher's group, or any rank (torchrun puts ranks in sessions of their own) of this output_dir."""
+        try:
+            os.killpg(self.pgid, 0)
+            return True
+        except ProcessLookupError:
+            pass
+        for entry in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                if self.output_dir in Path(f"/proc/{entry}/cmdline").read_bytes().decode(errors="replace"):
+                    return True
+            except OSError:
+                continue
+        return False
+
+    def wait(self, timeout: float = 300) -> int:
+        code = self.process.wait(timeout=timeout)
+        deadline = time.monotonic() + timeout
+        while self.group_alive() and time.monotonic() < deadline:  # the ranks outlive a launcher killed by SIGTERM
+            time.sleep(0.05)
+        assert not self.group_alive(), "a process of this run outlived the wait"
+        self.handle.close()
+        return code
+
+    def kill(self, sig=signal.SIGKILL) -> None:
+        os.killpg(self.pgid, sig)
+
+
+DATA: list[Path] = []  # one training file for the whole module: a run's identity includes its dataset path
+
+
+@pytest.fixture(scope="module", autouse=True)
+def training_data(tmp_path_factory):
+    """96 rows of the sample data: 16 rows a step (8 x 2 accumulated) is 6 steps an epoch, so 12 steps cross one."""
+    path = tmp_path_factory.mktemp("data") / "train.jsonl"
+    rows = (ROOT / "data" / "sample" / "train.jsonl").read_text().splitlines()[:96]
+    path.write_text("\n".join(rows) + "\n")
+    DATA[:] = [path]
+    return path
+
+
+def run_args(tmp: Path, output_dir: Path) -> list[str]:
+    return ["--config", str(RECIPE), "--tiny", "--dataset_name", str(DATA[0]), "--output_dir", str(output_dir),
+            "--max_steps", str(MAX_STEPS), "--save_steps", str(SAVE_STEPS), "--logging_steps", "1",
+            "--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "2", "--learning_rate", "1e-2",
+            "--eval_strategy", "no", "--report_to", "none"]
+
+
+def complete_checkpoints(output_dir: Path) -> dict[int, Path]:
+    return {int(path.name.split("-")[1]): path for path in output_dir.glob("checkpoint-*") if checkpoint_problem(path) is None}
+
+
+def losses(folder: Path) -> list[float]:
+    history = json.loads((folder / "trainer_state.json").read_text())["log_history"]
+    return [entry["loss"] for entry in history if "loss" in entry]
+
+
+def optimizer_tensors(folder: Path) -> list[torch.Tensor]:
+    state = torch.load(folder / "optimizer.pt", weights_only=True)["state"]
+    return [tensor for key in sorted(state) for _, tensor in sorted(state[key].items()) if torch.is_tensor(tensor)]
+
+
+def assert_same_checkpoint(got: Path, want: Path) -> None:
+    """Bitwise: the weights, the optimizer state, and the full-precision loss history."""
+    got_weights, want_weights = load_file(got / WEIGHTS), load_file(want / WEIGHTS)
+    assert got_weights.keys() == want_weights.keys()
+    for name in want_weights:
+        difference = (got_weights[name] - want_weights[name]).abs().max().item()
+        assert torch.equal(got_weights[name], want_weights[name]), f"{got}: {name} differs by {difference:.3e}"
+    if (want / "optimizer.pt").exists():
+        assert all(torch.equal(a, b) for a, b in zip(optimizer_tensors(got), optimizer_tensors(want), strict=True)), got
+    assert losses(got) == losses(want), f"{got}: the loss curve differs, so the data order after resume differs"
+
+
+def reference(tmp_path_factory, processes: int) -> Path:
+    tmp = tmp_path_factory.mktemp(f"reference-{processes}")
+    output_dir = tmp / "out"
+    launch = Launch(tmp, processes, output_dir, "--save_total_limit", "0")
+    assert launch.wait() == 0, launch.text()[-3000:]
+    assert sorted(complete_checkpoints(output_dir)) == [3, 6, 9, 12]
+    assert len(losses(output_dir)) == MAX_STEPS
+    return output_dir
+
+
+@pytest.fixture(scope="module")
+def reference_single(tmp_path_factory):
+    return reference(tmp_path_factory, 1)
+
+
+@pytest.fixture(scope="module")
+def reference_ddp(tmp_path_factory):
+    return reference(tmp_path_factory, 2)
+
+
+def kill_positions(rng: random.Random, count: int) -> list[tuple[int, str]]:
+    """`count` distinct (step, moment) kill positions, in the order a run reaches them; all in steps 1-9, so that
+    the relaunches after them still have steps left to be stopped by SIGTERM."""
+    candidates = [(step, "mid_step") for step in range(1, MAX_STEPS - SAVE_STEPS + 1)]
+    candidates += [(step, phase) for step in range(SAVE_STEPS, MAX_STEPS, SAVE_STEPS) for phase in SAVE_PHASES]
+    chosen = rng.sample(candidates, count)
+    return sorted(chosen, key=lambda position: (position[0], PHASES.index(position[1])))
+
+
+KILLS_SURVIVED = []  # (configuration, position), printed at the end of the module for the README figures
+
+
+def run_kill_chain(tmp: Path, processes: int, reference_dir: Path, positions, sigterm_after_steps: int | None,
+                   external_kill_delay: float | None) -> None:
+    output_dir = tmp / "out"
+    for step, phase in positions:
+        launch = Launch(tmp, processes, output_dir, "--save_total_limit", "2", fault=f"{phase}:{step}")
+        code = launch.wait()
+        assert code == -signal.SIGKILL, f"the {phase}:{step} kill did not happen (exit {code}):\n{launch.text()[-3000:]}"
+        survivors = complete_checkpoints(output_dir)
+        for at_step, folder in survivors.items():
+            if (reference_dir / f"checkpoint-{at_step}").exists():  # a SIGTERM save may be at a step it did not save
+                assert_same_checkpoint(folder, reference_dir / f"checkpoint-{at_step}")
+        if phase in SAVE_PHASES and phase != "before_rotation":
+            assert step not in survivors, "a checkpoint killed while being written must not count as complete"
+        KILLS_SURVIVED.append((f"{processes}-process", f"SIGKILL {phase} at step {step}"))
+    if sigterm_after_steps is not None:
+        launch = Launch(tmp, processes, output_dir, "--save_total_limit", "2")
+        while launch.steps_logged() < sigterm_after_steps and launch.process.poll() is None:
+            time.sleep(0.05)
+        signalled = time.monotonic()
+        if processes == 1:
+            launch.kill(signal.SIGTERM)  # to the process group, as SLURM and `kill -TERM -PGID` do
+        else:
+            launch.process.send_signal(signal.SIGTERM)  # to the launcher alone: torchrun forwards it to the ranks
+        launch.wait()
+        grace = time.monotonic() - signalled
+        text = launch.text()
+        assert "SIGTERM: stopped after step" in text and f"exiting with code {PREEMPTED_EXIT_CODE}" in text, text[-3000:]
+        stopped = int(text.split("SIGTERM: stopped after step ", 1)[1].split()[0])
+        assert stopped < MAX_STEPS and checkpoint_problem(output_dir / f"checkpoint-{stopped}") is None
+        assert losses(output_dir / f"checkpoint-{stopped}") == losses(reference_dir)[:stopped], "the loss curve differs"
+        print(f"\n[preemption] {processes}-process SIGTERM after step {stopped}: all processes gone {grace:.2f} s "
+              f"after the signal; {text.split('SIGTERM: ', 1)[1].split('Relaunch')[0].strip()}")
+        assert grace < 30, "torchrun's default grace before SIGKILL is 30 s"
+        KILLS_SURVIVED.append((f"{processes}-process", f"SIGTERM after step {stopped} ({grace:.2f} s to exit)"))
+    if external_kill_delay is not None:
+        launch = Launch(tmp, processes, output_dir, "--save_total_limit", "2")
+        time.sleep(external_kill_delay)
+        if launch.process.poll() is None:
+            launch.kill()
+        launch.wait()
+        for at_step, folder in complete_checkpoints(output_dir).items():
+            if (reference_dir / f"checkpoint-{at_step}").exists():
+                assert_same_checkpoint(folder, reference_dir / f"checkpoint-{at_step}")
+        KILLS_SURVIVED.append((f"{processes}-process", f"SIGKILL from outside {external_kill_delay:.1f} s after launch"))
+    final = Launch(tmp, processes, output_dir, "--save_total_limit", "2")
+    assert final.wait() == 0, final.text()[-3000:]
+    assert "resuming from" in final.text()
+    assert_same_checkpoint(output_dir, reference_dir)
+    assert_same_checkpoint(output_dir / f"checkpoint-{MAX_STEPS}", reference_dir / f"checkpoint-{MAX_STEPS}")
+    assert len(list(output_dir.glob("checkpoint-*"))) <= 2, "save_total_limit: 2 still holds after the kills"
+
+
+def test_single_process_survives_seeded_kills_and_sigterm_with_bitwise_equal_weights(tmp_path, reference_single):
+    rng = random.Random(SEED)
+    run_kill_chain(tmp_path, 1, reference_single, kill_positions(rng, 6), sigterm_after_steps=1,
+                   external_kill_delay=rng.uniform(3, 15))
+
+
+def test_ddp_two_processes_survive_seeded_kills_and_sigterm_with_bitwise_equal_weights(tmp_path, reference_ddp):
+    rng = random.Random(SEED + 2)
+    run_kill_chain(tmp_path, 2, reference_ddp, kill_positions(rng, 4), sigterm_after_steps=1, external_kill_delay=None)
+
+
+def copy_run(source: Path, destination: Path) -> Path:
+    subprocess.run(["cp", "-a", str(source), str(destination)], check=True)
+    for name in ("adapter_model.safetensors", "trainer_state.json", "training_args.bin", "adapter_config.json"):
+        (destination / name).unlink()  # only the checkpoints: the final files are what the relaunch must rewrite
+    return destination
+
+
+def test_corrupted_checkpoints_are_skipped_with_a_message_and_the_run_resumes_exactly(tmp_path, reference_single):
+    output_dir = copy_run(reference_single, tmp_path / "out")
+    weights = output_dir / "checkpoint-12" / WEIGHTS
+    with open(weights, "r+b") as handle:
+        handle.truncate(weights.stat().st_size - 1000)
+    (output_dir / "checkpoint-9" / "optimizer.pt").unlink()
+    (output_dir / "checkpoint-6" / MARKER).unlink()
+    launch = Launch(tmp_path, 1, output_dir)
+    assert launch.wait() == 0, launch.text()[-3000:]
+    text = launch.text()
+    assert f"skipping {output_dir / 'checkpoint-12'}: {WEIGHTS} is truncated or changed" in text
+    assert f"skipping {output_dir / 'checkpoint-9'}: optimizer.pt is missing" in text
+    assert f"resuming from {output_dir / 'checkpoint-3'}: the newest complete checkpoint" in text, text[-3000:]
+    assert f"skipping {output_dir / 'checkpoint-6'}: no completeness marker" in text
+    assert_same_checkpoint(output_dir, reference_single)
+    KILLS_SURVIVED.append(("1-process", "truncated safetensors + missing optimizer.pt + missing marker"))
+
+
+def test_a_truncated_safetensors_is_caught_even_when_its_size_matches_the_marker(tmp_path):
+    from finetune.checkpoints import safetensors_problem
+    from safetensors.torch import save_file
+
+    path = tmp_path / "w.safetensors"
+    save_file({"a": torch.ones(100)}, str(path))
+    assert safetensors_problem(path) is None
+    path.write_bytes(path.read_bytes()[:-40])
+    assert "truncated" in safetensors_problem(path)
+
+
+def test_an_explicit_resume_from_an_incomplete_checkpoint_is_refused(tmp_path, reference_single):
+    output_dir = copy_run(reference_single, tmp_path / "out")
+    (output_dir / "checkpoint-6" / "optimizer.pt").unlink()
+    launch = Launch(tmp_path, 1, output_dir, "--resume_from_checkpoint", str(output_dir / "checkpoint-6"))
+    assert launch.wait() != 0
+    last = error_line(launch.text())
+    assert "checkpoint-6" in last and "optimizer.pt is missing" in last, last
+    assert "Traceback" not in launch.text()
+
+
+def tmpfs(path: Path, size: str) -> bool:
+    path.mkdir(parents=True, exist_ok=True)
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                          capture_output=True).returncode == 0
+
+
+def error_line(text: str) -> str:
+    lines = re.findall(r"error: [^\r\n]*", text)  # may follow a tqdm bar on the same line
+    assert len(lines) == 1, text[-3000:]
+    return lines[0]
+
+
+def test_full_disk_at_save_time_is_a_clear_error_and_the_previous_checkpoint_survives(tmp_path, reference_single):
+    """A real full disk (an 800 kB tmpfs holds the run files and one checkpoint) where mounting is allowed, else a
+    mocked ENOSPC in the second checkpoint's write; then space is freed and the relaunch resumes exactly."""
+    disk = tmp_path / "disk"
+    real = tmpfs(disk, "800k")
+    try:
+        output_dir = disk / "out"
+        launch = Launch(tmp_path, 1, output_dir, fault=None if real else "enospc:6")
+        assert launch.wait() != 0
+        last = error_line(launch.text())
+        assert "no space left on the device" in last and "Traceback" not in launch.text(), launch.text()[-3000:]
+        failed = int(last.split("could not write checkpoint-", 1)[1].split()[0])
+        kept = sorted(complete_checkpoints(output_dir))
+        assert kept and kept == [step for step in (3, 6, 9, 12) if step < failed], (kept, last)
+        assert f"{output_dir / f'checkpoint-{kept[-1]}'} is intact and a relaunch resumes from it" in last, last
+        assert not (output_dir / f"checkpoint-{failed}").exists(), "the half-written checkpoint is removed"
+        for step in kept:
+            assert_same_checkpoint(output_dir / f"checkpoint-{step}", reference_single / f"checkpoint-{step}")
+        if real:
+            subprocess.run(["mount", "-o", "remount,size=64m", str(disk)], check=True)
+        resumed = Launch(tmp_path, 1, output_dir)
+        assert resumed.wait() == 0, resumed.text()[-3000:]
+        assert_same_checkpoint(output_dir, reference_single)
+        print(f"\n[preemption] full disk: {'a real 800 kB tmpfs' if real else 'a mocked ENOSPC'}: {last}")
+        KILLS_SURVIVED.append(("1-process", f"full disk ({'tmpfs' if real else 'mocked'})"))
+    finally:
+        if real:
+            subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
+def test_no_write_permission_at_save_time_is_a_clear_error_and_the_previous_checkpoint_survives(tmp_path, reference_single):
+    output_dir = tmp_path / "out"
+    launch = Launch(tmp_path, 1, output_dir, fault="eacces:6")  # root ignores chmod, so the write failure is mocked
+    assert launch.wait() != 0
+    last = error_line(launch.text())
+    assert "no write permission" in last and "checkpoint-3 is intact" in last, last
+    assert "Traceback" not in launch.text()
+    assert [path.name for path in output_dir.glob("checkpoint-*")] == ["checkpoint-3"]
+    assert_same_checkpoint(output_dir / "checkpoint-3", reference_single / "checkpoint-3")
+
+
+def test_save_total_limit_one_never_leaves_no_complete_checkpoint(tmp_path, reference_single):
+    """With save_total_limit 1, a kill after the new checkpoint is written but before its marker must still find the
+    previous checkpoint: the Trainer's own rotation (which runs before the marker) is deferred until after it."""
+    output_dir = tmp_path / "out"
+    launch = Launch(tmp_path, 1, output_dir, "--save_total_limit", "1", fault="before_marker:6")
+    assert launch.wait() == -signal.SIGKILL
+    assert sorted(complete_checkpoints(output_dir)) == [3]
+    assert checkpoint_problem(output_dir / "checkpoint-6").startswith("no completeness marker")
+    assert_same_checkpoint(output_dir / "checkpoint-3", reference_single / "checkpoint-3")
+
+
+def test_zz_report_kills_survived():
+    print(f"\n[preemption] interruptions survived with zero mismatches: {len(KILLS_SURVIVED)}")
+    for configuration, what in KILLS_SURVIVED:
+        print(f"  {configuration}: {what}")
