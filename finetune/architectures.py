@@ -39,3 +39,12 @@ def load_architecture(model_name_or_path: str):
         values = json.loads((MODEL_CONFIGS_DIR / f"{name}.json").read_text())
         return AutoConfig.for_model(values.pop("model_type"), **values)
     return AutoConfig.from_pretrained(model_name_or_path)
+
+
+def model_family(model_name_or_path: str) -> str:
+    """'llama' or 'gpt-oss': which tiny model stands in for this one, and which chat template it speaks."""
+    config_file = Path(model_name_or_path) / "config.json"
+    if config_file.is_file():
+        model_type = json.loads(config_file.read_text()).get("model_type")
+        return {"gpt_oss": "gpt-oss"}.get(model_type, "llama")
+    return "gpt-oss" if "gpt-oss" in model_name_or_path.lower() else "llama"

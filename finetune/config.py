@@ -14,6 +14,7 @@ from pathlib import Path
 
 import yaml
 from finetune import cpu
+from finetune.architectures import model_family
 from trl import ModelConfig, ScriptArguments, SFTConfig, TrlParser
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -221,7 +222,7 @@ def check(run: RunConfig) -> None:
             f"{accelerate_config_file()}: QLoRA's 4-bit weights cannot be "
             f"sharded by {strategy.upper()} here; launch with accelerate_configs/ddp.yaml or zero2.yaml instead."
         )
-    if model.lora_target_parameters and not _is_mixture_of_experts(model.model_name_or_path):
+    if model.lora_target_parameters and model_family(model.model_name_or_path) != "gpt-oss":
         raise UserError(
             f"{source}: `lora_target_parameters` adapts mixture-of-experts weights, which "
             f"{model.model_name_or_path} does not have; remove it or use lora_target_modules."
@@ -261,17 +262,6 @@ def check_resume_checkpoint(run: RunConfig) -> None:
     requested = run.training.resume_from_checkpoint
     if requested and str(requested).lower() not in ("true", "1", "yes"):
         checkpoints.resume_point(requested, run.training.output_dir, announce=False)
-
-
-def _is_mixture_of_experts(model_name_or_path: str | None) -> bool:
-    return "gpt-oss" in (model_name_or_path or "").lower() or _local_model_type(model_name_or_path) == "gpt_oss"
-
-
-def _local_model_type(model_name_or_path: str | None) -> str | None:
-    config_file = Path(model_name_or_path or "") / "config.json"
-    if config_file.is_file():
-        return json.loads(config_file.read_text()).get("model_type")
-    return None
 
 
 def requested_strategy() -> str:

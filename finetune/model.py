@@ -13,21 +13,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, 
 from trl import get_peft_config, get_quantization_config
 
 from finetune import attention, cpu, tiny
+from finetune.architectures import model_family
 from finetune.config import RunConfig, UserError
 
 logger = logging.getLogger(__name__)
 
 LLAMA_3_2_TEMPLATE = tiny.TRL_CHAT_TEMPLATES_DIR / "llama3_2.jinja"
 LLAMA_3_2_TRAINING_TEMPLATE = Path(__file__).parent / "chat_templates" / "llama3_2_training.jinja"
-
-
-def model_family(model_name_or_path: str) -> str:
-    """'llama' or 'gpt-oss': which tiny model stands in for this one, and which chat template it speaks."""
-    config_file = Path(model_name_or_path) / "config.json"
-    if config_file.is_file():
-        model_type = json.loads(config_file.read_text()).get("model_type")
-        return {"gpt_oss": "gpt-oss"}.get(model_type, "llama")
-    return "gpt-oss" if "gpt-oss" in model_name_or_path.lower() else "llama"
 
 
 def resolve_model_path(run: RunConfig) -> str:

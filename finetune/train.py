@@ -101,12 +101,6 @@ def build_trainer(run: RunConfig, model: PreTrainedModel, tokenizer, train_set, 
     return trainer
 
 
-def last_checkpoint(output_dir: str) -> str | None:
-    """The newest complete checkpoint (see finetune/checkpoints.py); half-written ones are skipped."""
-    chosen = checkpoints.newest_complete(output_dir)
-    return str(chosen) if chosen is not None else None
-
-
 def train_and_save(trainer: SFTTrainer, run: RunConfig, tokenizer) -> None:
     output_dir = run.training.output_dir
     resume_from = checkpoints.resume_point(run.training.resume_from_checkpoint, output_dir)  # prints its choice

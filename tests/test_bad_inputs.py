@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ACCELERATE, ROOT
-from test_config import folder_digest, good_turns, recipe_with, write
+from test_config import folder_digest, good_turns, write
 
 LORA = ROOT / "recipes" / "llama-3.2-1b" / "lora.yaml"
 FULL = ROOT / "recipes" / "llama-3.2-1b" / "full.yaml"

@@ -2,13 +2,10 @@
 no access token in logs, saved arguments, run record, checkpoints or model cards."""
 
 import json
-import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
-
-import pytest
 
 from conftest import ROOT, launch_sft
 from finetune.config import parse_args
