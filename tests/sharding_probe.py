@@ -4,14 +4,15 @@
         --config recipes/llama-3.2-1b/full.yaml --tiny --max_steps 1 --save_strategy no --eval_strategy no \
         --output_dir /tmp/probe
 
-Each rank prints one line `[sharding-probe] {json}` with element counts and bytes of
+Each rank writes `OUTPUT_DIR/sharding-probe-rank{R}.json` (a file per rank: two ranks printing to one pipe can
+interleave their lines) with element counts and bytes of
   - the parameters it holds: FSDP2 the DTensors' local shards (`to_local()`); ZeRO-3 each parameter's partition
     (`ds_tensor`) and, separately, the full copies it keeps of "persistent" small parameters; ZeRO-2 (and anything
     else) the full parameters;
   - the optimizer state it holds: FSDP2 the torch optimizer's `state` tensors (Adam moments, and `step` apart);
     DeepSpeed the fp32 master partition (ZeRO-2 `single_partition_of_fp32_groups`, ZeRO-3
     `fp32_partitioned_groups_flat`) and the inner torch optimizer's state over it.
-It also prints the model folder, so that the test can count parameters from the same config.json.
+It also records the model folder, so that the test can count parameters from the same config.json.
 """
 
 import json
@@ -111,7 +112,8 @@ def measure(trainer, model_path: str) -> dict:
 def main(argv: list[str] | None = None) -> None:
     run, trainer, _ = prepare(argv)
     trainer.train()
-    print("[sharding-probe] " + json.dumps(measure(trainer, model.resolve_model_path(run))), flush=True)
+    report = measure(trainer, model.resolve_model_path(run))
+    Path(trainer.args.output_dir, f"sharding-probe-rank{report['rank']}.json").write_text(json.dumps(report))
     trainer.accelerator.wait_for_everyone()
 
 

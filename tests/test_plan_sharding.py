@@ -2,7 +2,7 @@
 
 Each strategy is one real `accelerate launch --config_file accelerate_configs/X.yaml --num_processes 2` of
 tests/sharding_probe.py (scripts/sft.py's path, then trainer.train() for one step of the tiny Llama of
-recipes/llama-3.2-1b/full.yaml), which prints what each rank holds. The expected numbers come from finetune/plan.py:
+recipes/llama-3.2-1b/full.yaml), which writes what each rank holds into one file per rank. The expected numbers come from finetune/plan.py:
 its parameter count for the tiny model's config.json (`plan.total_params`) and its per-GPU `weights` / `optimizer`
 parts (`plan.estimate`), with the rounding each implementation really applies when it splits P elements over n ranks:
 
@@ -70,8 +70,8 @@ def probe(config: str, output_dir: Path) -> list[dict]:
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     output = result.stdout + result.stderr
     assert result.returncode == 0, f"{' '.join(command)} failed ({result.returncode}):\n{output[-6000:]}"
-    lines = [line.split("[sharding-probe] ", 1)[1] for line in output.splitlines() if "[sharding-probe] " in line]
-    ranks = sorted((json.loads(line) for line in lines), key=lambda r: r["rank"])
+    reports = sorted(output_dir.glob("sharding-probe-rank*.json"))
+    ranks = sorted((json.loads(path.read_text()) for path in reports), key=lambda r: r["rank"])
     assert [r["rank"] for r in ranks] == list(range(WORLD)), output[-4000:]
     return ranks
 
