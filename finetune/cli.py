@@ -1,4 +1,4 @@
-"""The `finetune` console command: `finetune plan ...`, `finetune merge ...` (more subcommands register themselves the same way).
+"""The `finetune` console command: `finetune plan ...`, `finetune merge ...`, `finetune launch ...` (more subcommands register themselves the same way).
 
 Each subcommand is a function `add_<name>(subparsers)` that declares its arguments and sets `func`; heavy imports
 (torch, transformers) stay inside the subcommand's function so that `finetune plan` answers at once.
@@ -68,7 +68,28 @@ def add_merge(subparsers) -> None:
     p.set_defaults(func=_run_merge)
 
 
-SUBCOMMANDS = [add_plan, add_merge]
+def _run_launch(args: argparse.Namespace, extra: list[str]) -> int:
+    from finetune import launch
+    from finetune.config import UserError
+
+    try:
+        return launch.main(extra)
+    except UserError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+
+
+def add_launch(subparsers) -> None:
+    p = subparsers.add_parser(
+        "launch", add_help=False,
+        help="check the accelerate config (or plan one for the GPUs here), then accelerate launch scripts/sft.py",
+        description="finetune launch [--config_file F] [--num_processes N] [--num_machines M --machine_rank R "
+        "--main_process_ip IP --main_process_port P] --config recipes/M/METHOD.yaml [scripts/sft.py flags]",
+    )
+    p.set_defaults(func=_run_launch, accepts_extra=True)
+
+
+SUBCOMMANDS = [add_plan, add_merge, add_launch]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -56,6 +56,11 @@ class FinetuneArguments:
         default=None,
         metadata={"help": "A user message answered greedily before and after training, to see what was learned."},
     )
+    truncation: bool = field(
+        default=True,
+        metadata={"help": "false: a sample longer than max_length stops the run before the model loads, instead of "
+                          "being cut by TRL (which can cut away the whole answer)."},
+    )
 
 
 @dataclass
@@ -72,19 +77,24 @@ def _parser() -> TrlParser:
     return TrlParser((ScriptArguments, SFTConfig, ModelConfig, FinetuneArguments))
 
 
-def _read_recipe(recipe_path: str) -> dict:
-    path = Path(recipe_path)
+def read_yaml_mapping(file: str, kind: str, where_to_find: str) -> dict:
+    """A flat YAML file (a recipe, an accelerate config), or a UserError naming the file and what to fix."""
+    path = Path(file)
     if not path.is_file():
-        raise UserError(f"{recipe_path}: recipe file not found; pass --config with the path of a file under recipes/.")
+        raise UserError(f"{file}: {kind} file not found; {where_to_find}.")
     try:
-        recipe = yaml.safe_load(path.read_text())
+        values = yaml.safe_load(path.read_text())
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
-        raise UserError(f"{recipe_path}: not valid YAML{where}; fix the syntax there.") from None
-    if not isinstance(recipe, dict):
-        raise UserError(f"{recipe_path}: a recipe must be a YAML mapping of `key: value` lines; rewrite it as one.")
-    return recipe
+        raise UserError(f"{file}: not valid YAML{where}; fix the syntax there.") from None
+    if not isinstance(values, dict):
+        raise UserError(f"{file}: this {kind} file must be a YAML mapping of `key: value` lines; rewrite it as one.")
+    return values
+
+
+def _read_recipe(recipe_path: str) -> dict:
+    return read_yaml_mapping(recipe_path, "recipe", "pass --config with the path of a file under recipes/")
 
 
 def _coerce_recipe_values(parser: TrlParser, recipe: dict, recipe_path: str) -> dict:
@@ -171,6 +181,7 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
         raise UserError(f"{source}: {_one_sentence(error)}") from None
     if finetune.tiny:
         _scale_down_for_tiny(script, training, _flags_given(argv))
+    _keep_token_out_of_saved_arguments(training)
     return RunConfig(script, training, model, finetune, recipe_path, set(recipe) | _flags_given(argv))
 
 
@@ -182,6 +193,14 @@ def _scale_down_for_tiny(script: ScriptArguments, training: SFTConfig, flags_giv
         script.dataset_name = str(SAMPLE_DATA)
     if "max_length" not in flags_given and (training.max_length or TINY_MAX_LENGTH) > TINY_MAX_LENGTH:
         training.max_length = TINY_MAX_LENGTH
+
+
+def _keep_token_out_of_saved_arguments(training: SFTConfig) -> None:
+    """The Trainer pickles its arguments into every checkpoint's training_args.bin, so a `--hub_token` would be saved
+    in clear next to the weights; huggingface_hub reads the same token from HF_TOKEN, which is never saved."""
+    if training.hub_token:
+        os.environ["HF_TOKEN"] = training.hub_token
+        training.hub_token = None
 
 
 def _flag_error(message: str):

@@ -65,8 +65,9 @@ def _first_line(error: Exception) -> str:
     return str(error).strip().splitlines()[0].rstrip(".") if str(error).strip() else type(error).__name__
 
 
-def load_datasets(script: ScriptArguments, training: SFTConfig) -> tuple[Dataset, Dataset | None]:
-    """The train split, and the eval split when evaluation is on (carved from train when the data has none)."""
+def load_datasets(script: ScriptArguments, training: SFTConfig, length_tokenizer=None) -> tuple[Dataset, Dataset | None]:
+    """The train split, and the eval split when evaluation is on (carved from train when the data has none).
+    With `length_tokenizer` (truncation: false), a row longer than max_length is refused as well."""
     if not script.dataset_name:
         raise UserError("recipe: `dataset_name` is not set; give a hub id, a local folder or a .jsonl file.")
     splits = _load(script.dataset_name, script.dataset_config)
@@ -77,11 +78,23 @@ def load_datasets(script: ScriptArguments, training: SFTConfig) -> tuple[Dataset
         )
     train = splits[script.dataset_train_split]
     check_rows(train, f"{script.dataset_name} [{script.dataset_train_split}]")
+    if length_tokenizer is not None:
+        refuse_long_samples(train, f"{script.dataset_name} [{script.dataset_train_split}]", length_tokenizer,
+                            training.max_length)
+    if training.assistant_only_loss and not _is_conversational(train[0]):
+        raise UserError(
+            f"{script.dataset_name}: `assistant_only_loss: true` needs conversations (`messages`, or `prompt` and "
+            f"`completion` as lists of turns), and these rows are plain text; set assistant_only_loss: false "
+            f"(prompt-completion rows still train on the completion only)."
+        )
     if training.eval_strategy == "no":
         return train, None
     if script.dataset_test_split in splits:
         evaluation = splits[script.dataset_test_split]
         check_rows(evaluation, f"{script.dataset_name} [{script.dataset_test_split}]")
+        if length_tokenizer is not None:
+            refuse_long_samples(evaluation, f"{script.dataset_name} [{script.dataset_test_split}]", length_tokenizer,
+                                training.max_length)
         return train, evaluation
     logger.warning(
         "%s has no `%s` split: evaluating on %.0f%% of the train split.",
@@ -89,6 +102,37 @@ def load_datasets(script: ScriptArguments, training: SFTConfig) -> tuple[Dataset
     )
     parts = train.train_test_split(test_size=EVAL_FRACTION_WHEN_NO_TEST_SPLIT, seed=training.seed)
     return parts["train"], parts["test"]
+
+
+def refuse_long_samples(dataset: Dataset, source: str, tokenizer, max_length: int | None) -> None:
+    """Name the first row longer than max_length (with `truncation: false`: TRL would cut it silently)."""
+    if max_length is None:
+        return
+    lengths = dataset.map(lambda row: {"length": _token_count(row, tokenizer)}, remove_columns=dataset.column_names)
+    for index, length in enumerate(lengths["length"]):
+        if length > max_length:
+            raise UserError(
+                f"{source}: row {index + 1} is {length} tokens, longer than `max_length: {max_length}` with "
+                f"`truncation: false`; raise max_length, shorten or remove the row, or set truncation: true to let "
+                f"TRL cut it."
+            )
+
+
+def _token_count(row: dict, tokenizer) -> int:
+    """Tokens of a row as TRL tokenizes it: the chat template for conversations, plain text plus EOS otherwise."""
+    data_format = dataset_format(list(row))
+    if data_format == "messages":
+        return len(tokenizer.apply_chat_template(row["messages"], tokenize=True, return_dict=True)["input_ids"])
+    if data_format == "text":
+        return len(tokenizer(row["text"])["input_ids"]) + 1
+    if isinstance(row["prompt"], list):
+        turns = row["prompt"] + row["completion"]
+        return len(tokenizer.apply_chat_template(turns, tokenize=True, return_dict=True)["input_ids"])
+    return len(tokenizer(row["prompt"] + row["completion"])["input_ids"]) + 1
+
+
+def _is_conversational(row: dict) -> bool:
+    return "messages" in row or isinstance(row.get("prompt"), list)
 
 
 def dataset_format(columns: list[str]) -> str | None:

@@ -12,9 +12,9 @@ def prepare(argv: list[str] | None = None):
     """Parse, check, load: the run, its trainer ready to train, and the tokenizer."""
     run = config.parse_args(argv)
     config.check(run)
-    train_set, eval_set = data.load_datasets(run.script, run.training)
     model_path = model.resolve_model_path(run)
     tokenizer = model.load_tokenizer(model_path, run.training.assistant_only_loss)
+    train_set, eval_set = data.load_datasets(run.script, run.training, None if run.finetune.truncation else tokenizer)
     trainer = train.build_trainer(run, model.load_model(run, model_path), tokenizer, train_set, eval_set)
     return run, trainer, tokenizer
 

@@ -2,6 +2,7 @@
 
 import json
 import os
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -41,3 +42,28 @@ def printed_losses(stdout: str) -> list[float]:
 def printed_setup(stdout: str) -> dict:
     line = next(line for line in stdout.splitlines() if "[finetune] setup:" in line)
     return json.loads(line.split("[finetune] setup:", 1)[1])
+
+
+def run_sft_in_process(args: list[str], capfd, monkeypatch) -> subprocess.CompletedProcess:
+    """`python scripts/sft.py ARGS`, run in this process so that the imports are paid once: its exit code and what
+    it printed. For refusals only: loading a model fails the test, since every refusal must come before it."""
+    from finetune import model
+
+    def load_model(*_, **__):
+        raise AssertionError("a model was loaded: the input was not refused before loading")
+
+    monkeypatch.setattr(model, "load_model", load_model)
+    script = str(ROOT / "scripts" / "sft.py")
+    monkeypatch.setattr(sys, "argv", [script, *args])
+    environment = dict(os.environ)  # a recipe's `env:` and the CPU settings write to it
+    capfd.readouterr()
+    try:
+        runpy.run_path(script, run_name="__main__")
+        code = 0
+    except SystemExit as exit:
+        code = exit.code
+    finally:
+        os.environ.clear()
+        os.environ.update(environment)
+    out, err = capfd.readouterr()
+    return subprocess.CompletedProcess([script, *args], code, out, err)

@@ -1,7 +1,10 @@
 """Bad input, widened (issue 6): recipes, dataset files, config files and flags that tests/test_config.py does not try.
 
 Each case ends in one sentence naming the file, the field and the fix, a non-zero exit, no traceback, no model loaded,
-and nothing changed in an output folder that already holds a run.
+and nothing changed in an output folder that already holds a run. Cases of scripts/sft.py alone run it in this process
+(conftest.run_sft_in_process: the same code from the command line on, without paying the imports 40 times), and so
+do the cases `finetune launch` refuses before it hands over to accelerate; the cases sft.py finds under a DeepSpeed
+config go through the real `accelerate launch` in a subprocess. tests/test_config.py shows the real process once.
 """
 
 import json
@@ -13,7 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ACCELERATE, ROOT
+from conftest import ACCELERATE, ROOT, run_sft_in_process
+
+FINETUNE = str(Path(sys.executable).with_name("finetune"))
 from test_config import folder_digest, good_turns, write
 
 LORA = ROOT / "recipes" / "llama-3.2-1b" / "lora.yaml"
@@ -50,10 +55,36 @@ def accelerate_config(tmp: Path, deepspeed: dict | None = None, deepspeed_file: 
         "num_processes: 1\nuse_cpu: true\n"))
 
 
+def finetune_launch(config_text: str):
+    """A case launched by `finetune launch --config_file` with an accelerate config file of this text."""
+    return lambda t: [FINETUNE, "launch", "--config_file", str(write(t / "accelerate.yaml", config_text))]
+
+
+def run_finetune_launch_in_process(launcher: list[str], arguments: list[str], capfd, monkeypatch):
+    """`finetune launch ...` in this process; handing over to accelerate would fail the test (a refusal comes first)."""
+    from finetune import cli, launch
+
+    def execv(*_):
+        raise AssertionError("finetune launch started accelerate instead of refusing the config file")
+
+    monkeypatch.setattr(launch.os, "execv", execv)
+    capfd.readouterr()
+    code = cli.main([*launcher[1:], *arguments])
+    out, err = capfd.readouterr()
+    return subprocess.CompletedProcess(launcher, code, out, err)
+
+
+def accelerate_launch(config_builder):
+    """A case launched by the real `accelerate launch -q --config_file` with the file the builder writes."""
+    return lambda t: [ACCELERATE, "launch", "-q", "--config_file", str(config_builder(t))]
+
+
+LONG_ROW = {"messages": [user("count " * 200), assistant()]}
 DS_AUTO = {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto",
            "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "train_batch_size": "auto"}
 
-# (name, arguments (a function of tmp_path), words the error sentence must hold, accelerate config or None)
+# (name, arguments (a function of tmp_path), words the error sentence must hold[, the launcher: a function of tmp_path;
+# default: python scripts/sft.py])
 BAD_INPUTS = [
     # --- recipes
     ("recipe key misspelled (ModelConfig)", lambda t: ["--tiny", *recipe(t, LORA.read_text() + "\nuse_pft: true\n")],
@@ -99,6 +130,11 @@ BAD_INPUTS = [
      ["rows.jsonl", "row 2", "empty `text`", "remove the row"]),
     ("empty completion", lambda t: data(t, [{"prompt": "a", "completion": ""}]),
      ["rows.jsonl", "row 1", "empty `completion`"]),
+    ("sample longer than max_length with truncation off",
+     lambda t: [*data(t, [{"messages": good_turns()}, LONG_ROW]), "--max_length", "64", "--truncation", "false"],
+     ["rows.jsonl", "row 2 is", "longer than `max_length: 64`", "truncation: false", "raise max_length"]),
+    ("assistant-only loss on plain text rows", lambda t: data(t, [{"text": "The cat sat."}]),
+     ["rows.jsonl", "`assistant_only_loss: true`", "set assistant_only_loss: false"]),
     ("unsupported file type", lambda t: [*TINY, "--dataset_name", str(write(t / "rows.txt", "hello\n"))],
      ["rows.txt", "unsupported dataset file type", ".jsonl"]),
     ("train split that does not exist", lambda t: [*data(t, [{"messages": good_turns()}]), "--dataset_train_split", "training"],
@@ -107,15 +143,23 @@ BAD_INPUTS = [
     ("DeepSpeed JSON batch size contradicts the recipe",
      lambda t: [*TINY, "--per_device_train_batch_size", "8"],
      ["ds.json", "`train_micro_batch_size_per_gpu: 4`", "per_device_train_batch_size: 8", "\"auto\""],
-     lambda t: accelerate_config(t, {**DS_AUTO, "train_micro_batch_size_per_gpu": 4})),
+     accelerate_launch(lambda t: accelerate_config(t, {**DS_AUTO, "train_micro_batch_size_per_gpu": 4}))),
     ("DeepSpeed JSON accumulation contradicts the recipe",
      lambda t: [*TINY, "--gradient_accumulation_steps", "1"],
      ["ds.json", "`gradient_accumulation_steps: 8`", "gradient_accumulation_steps: 1"],
-     lambda t: accelerate_config(t, {**DS_AUTO, "gradient_accumulation_steps": 8})),
-    ("DeepSpeed JSON that is not JSON", lambda t: TINY, ["ds.json", "not valid JSON", "line"],
-     lambda t: accelerate_config(t, '{"zero_optimization": {"stage": 2},,}')),
+     accelerate_launch(lambda t: accelerate_config(t, {**DS_AUTO, "gradient_accumulation_steps": 8}))),
+    ("DeepSpeed JSON that is not JSON (finetune launch)", lambda t: TINY, ["ds.json", "not valid JSON", "line"],
+     lambda t: [FINETUNE, "launch", "--config_file", str(accelerate_config(t, '{"zero_optimization": {"stage": 2},,}'))]),
     ("DeepSpeed JSON file missing", lambda t: TINY, ["accelerate.yaml", "missing.json", "not found"],
-     lambda t: accelerate_config(t, deepspeed_file=str(t / "missing.json"))),
+     accelerate_launch(lambda t: accelerate_config(t, deepspeed_file=str(t / "missing.json")))),
+    ("accelerate config that is not YAML", lambda t: TINY, ["accelerate.yaml", "not valid YAML at line 2"],
+     finetune_launch("distributed_type: [MULTI_GPU\nnum_processes: 2\n")),
+    ("unknown distributed type", lambda t: TINY, ["accelerate.yaml", "`distributed_type: MULTI_GPX`", "MULTI_GPU (DDP)"],
+     finetune_launch("compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_GPX\nnum_processes: 2\n")),
+    ("misspelled accelerate config key", lambda t: TINY, ["accelerate.yaml", "unknown keys ['num_procesess']", "spelling"],
+     finetune_launch("compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_GPU\nnum_procesess: 2\n")),
+    ("accelerate config file missing", lambda t: TINY, ["nowhere.yaml", "not found", "accelerate_configs/"],
+     lambda t: [FINETUNE, "launch", "--config_file", str(t / "nowhere.yaml")]),
     # --- flags
     ("flag without its value", lambda t: [*TINY, "--output_dir", str(t / "new"), "--max_steps"],
      ["command line", "--max_steps", "expected one argument", "fix that flag"]),
@@ -155,7 +199,7 @@ def existing_run(folder: Path, arguments: list[str]) -> Path:
 
 
 @pytest.mark.parametrize("case", BAD_INPUTS, ids=[case[0] for case in BAD_INPUTS])
-def test_bad_input_is_one_sentence_naming_file_field_and_fix(case, tmp_path):
+def test_bad_input_is_one_sentence_naming_file_field_and_fix(case, tmp_path, capfd, monkeypatch):
     name, build_args, expected_words, *config = case
     arguments = build_args(tmp_path)
     output_dir = tmp_path / "existing-run"
@@ -164,15 +208,17 @@ def test_bad_input_is_one_sentence_naming_file_field_and_fix(case, tmp_path):
         arguments = [*arguments, "--output_dir", str(output_dir)]
     else:
         output_dir.mkdir()
-    launcher = [sys.executable]
-    if config:
-        launcher = [ACCELERATE, "launch", "-q", "--config_file", str(config[0](tmp_path))]
+    launcher = config[0](tmp_path) if config else None
     before = folder_digest(output_dir)
-    result = run(arguments, launcher)
+    if launcher is None:
+        result = run_sft_in_process(arguments, capfd, monkeypatch)
+    elif launcher[0] == FINETUNE:
+        result = run_finetune_launch_in_process(launcher, arguments, capfd, monkeypatch)
+    else:
+        result = run(arguments, launcher)
     assert result.returncode != 0, result.stdout[-2000:]
-    if launcher == [sys.executable]:
+    if not launcher or launcher[0] != ACCELERATE:
         assert result.returncode == 2
-    if launcher == [sys.executable]:
         assert "Traceback" not in result.stderr, result.stderr[-3000:]
     else:
         # torchrun (which accelerate uses for DeepSpeed even with one process) always ends a failed child with a

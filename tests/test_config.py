@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ACCELERATE, ROOT
+from conftest import ACCELERATE, ROOT, run_sft_in_process
 
 LLAMA_FULL = ROOT / "recipes" / "llama-3.2-1b" / "full.yaml"
 LLAMA_LORA = ROOT / "recipes" / "llama-3.2-1b" / "lora.yaml"
@@ -82,9 +82,9 @@ BAD_INPUTS = [
 
 
 @pytest.mark.parametrize("build_args, expected_words", [case[1:] for case in BAD_INPUTS], ids=[case[0] for case in BAD_INPUTS])
-def test_bad_input_is_one_clear_sentence_before_any_model_loads(tmp_path, build_args, expected_words):
+def test_bad_input_is_one_clear_sentence_before_any_model_loads(tmp_path, build_args, expected_words, capfd, monkeypatch):
     output_dir = tmp_path / "out"
-    result = run_sft(*build_args(tmp_path), "--output_dir", str(output_dir))
+    result = run_sft_in_process([*build_args(tmp_path), "--output_dir", str(output_dir)], capfd, monkeypatch)
     assert result.returncode == 2, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
     last_line = result.stderr.strip().splitlines()[-1]
@@ -95,23 +95,31 @@ def test_bad_input_is_one_clear_sentence_before_any_model_loads(tmp_path, build_
     assert not output_dir.exists(), "a refused run writes nothing"
 
 
-def test_output_dir_holding_foreign_files_is_refused_and_left_untouched(tmp_path):
+def test_a_refusal_in_a_real_process_is_one_line_and_exit_code_2(tmp_path):
+    result = run_sft("--config", str(LLAMA_FULL), "--tiny", "--learning_rat", "1", "--output_dir", str(tmp_path / "out"))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: command line: unknown flag --learning_rat; check its spelling with `scripts/sft.py --help`.")
+
+
+def test_output_dir_holding_foreign_files_is_refused_and_left_untouched(tmp_path, capfd, monkeypatch):
     output_dir = tmp_path / "out"
     write(output_dir / "model.safetensors", "someone else's weights")
     write(output_dir / "notes" / "readme.txt", "keep me")
     before = folder_digest(output_dir)
-    result = run_sft("--config", str(LLAMA_FULL), "--tiny", "--output_dir", str(output_dir), "--max_steps", "1")
+    result = run_sft_in_process(["--config", str(LLAMA_FULL), "--tiny", "--output_dir", str(output_dir)], capfd, monkeypatch)
     assert result.returncode == 2
     assert str(output_dir) in result.stderr and "no finetune run wrote" in result.stderr and "--output_dir" in result.stderr
     assert folder_digest(output_dir) == before
 
 
-def test_output_dir_of_another_run_is_refused_and_left_untouched(tmp_path):
+def test_output_dir_of_another_run_is_refused_and_left_untouched(tmp_path, capfd, monkeypatch):
     output_dir = tmp_path / "out"
-    first = run_sft("--config", str(LLAMA_LORA), "--tiny", "--output_dir", str(output_dir), "--max_steps", "2")
+    first = run_sft("--config", str(LLAMA_LORA), "--tiny", "--output_dir", str(output_dir), "--max_steps", "1",
+                    "--eval_strategy", "no", "--report_to", "none")
     assert first.returncode == 0, first.stderr[-2000:]
     before = folder_digest(output_dir)
-    second = run_sft("--config", str(LLAMA_FULL), "--tiny", "--output_dir", str(output_dir), "--max_steps", "2")
+    second = run_sft_in_process(["--config", str(LLAMA_FULL), "--tiny", "--output_dir", str(output_dir)], capfd, monkeypatch)
     assert second.returncode == 2
     assert "holds another run (use_peft was True, now False)" in second.stderr
     assert folder_digest(output_dir) == before

@@ -1,10 +1,12 @@
 """Model loading seams: the tiny stand-ins keep the real architecture, and the end-of-turn token is trained."""
 
+import json
+
 import pytest
 import torch
 
 from conftest import ROOT
-from finetune import config, model, train
+from finetune import config, data, model, train
 from finetune.data import load_datasets
 
 
@@ -55,3 +57,35 @@ def test_tiny_gpt_oss_keeps_experts_top2_routing_sinks_and_sliding_layers(tmp_pa
     assert set(loaded.config.layer_types) == {"sliding_attention", "full_attention"}
     assert all(layer.self_attn.sinks.shape == (loaded.config.num_attention_heads,) for layer in loaded.model.layers)
     assert loaded.dtype == torch.float32, "on CPU the recipe's bf16 becomes float32"
+
+
+TOKEN_COUNT_ROWS = {
+    "messages": [{"messages": [{"role": "user", "content": "hi " * n}, {"role": "assistant", "content": "yo " * n}]}
+                 for n in (1, 7, 30)],
+    "conversational prompt-completion": [{"prompt": [{"role": "user", "content": "hi " * n}],
+                                          "completion": [{"role": "assistant", "content": "yo " * n}]} for n in (2, 9)],
+    "prompt-completion": [{"prompt": "hi " * n, "completion": "yo " * n} for n in (3, 11)],
+    "text": [{"text": "the cat sat " * n} for n in (1, 13)],
+}
+
+
+@pytest.mark.parametrize("data_format", sorted(TOKEN_COUNT_ROWS))
+def test_truncation_off_refuses_exactly_the_rows_trl_would_cut(tmp_path, data_format):
+    rows = TOKEN_COUNT_ROWS[data_format]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    conversational = "messages" in rows[0] or isinstance(rows[0].get("prompt"), list)
+    run, model_path, tokenizer = build("llama-3.2-1b/lora.yaml", tmp_path / "out", "--eval_strategy", "no",
+                                       "--packing", "false", "--dataset_name", str(path), "--max_length", "100000",
+                                       "--truncation", "false", "--assistant_only_loss", str(conversational).lower())
+    train_set, _ = load_datasets(run.script, run.training)
+    trainer = train.build_trainer(run, model.load_model(run, model_path), tokenizer, train_set, None)
+    trl_lengths = [len(example["input_ids"]) for example in trainer.train_dataset]
+    assert [data._token_count(row, tokenizer) for row in train_set] == trl_lengths
+    longest = max(trl_lengths)
+    run.training.max_length = longest
+    load_datasets(run.script, run.training, tokenizer)
+    run.training.max_length = longest - 1
+    with pytest.raises(config.UserError, match=f"row {trl_lengths.index(longest) + 1} is {longest} tokens"):
+        load_datasets(run.script, run.training, tokenizer)
+    load_datasets(run.script, run.training)  # truncation on: TRL cuts the row, nothing to refuse

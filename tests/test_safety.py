@@ -73,7 +73,8 @@ def test_no_access_token_in_logs_saved_arguments_run_record_checkpoints_or_model
     monkeypatch.setenv("HUGGING_FACE_HUB_TOKEN", FAKE_TOKEN)
     output_dir = tmp_path / "out"
     result = launch_sft("--config", str(LORA), "--tiny", "--output_dir", str(output_dir), "--max_steps", "2",
-                        "--save_steps", "1", "--logging_steps", "1", "--report_to", "tensorboard")
+                        "--save_steps", "1", "--logging_steps", "1", "--report_to", "tensorboard",
+                        "--hub_token", FAKE_TOKEN)  # the Trainer pickles its arguments, hub_token included
     assert result.returncode == 0, result.stderr[-3000:]
     assert FAKE_TOKEN not in result.stdout + result.stderr
     scanned = [path for path in output_dir.rglob("*") if path.is_file()]

@@ -1,0 +1,108 @@
+"""`finetune launch`: check the accelerate config file, or let the planner choose one for the GPUs this machine has,
+then hand over to `accelerate launch ... scripts/sft.py` with it.
+
+    finetune launch [--config_file accelerate_configs/X.yaml] [--num_processes N ...] --config recipes/M/METHOD.yaml [flags]
+
+`accelerate launch` reads its config file before any of our code runs, so a typo there (broken YAML, an unknown
+`distributed_type`, a misspelled key, a missing DeepSpeed JSON) ends in accelerate's own traceback. Here the same file
+is read first with accelerate's own loader and every problem becomes one sentence naming the file, the field and the
+fix, with exit code 2. Everything after the launcher flags goes to scripts/sft.py unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+from pathlib import Path
+
+from finetune.config import PROJECT_ROOT, UserError, read_deepspeed_config, read_yaml_mapping
+
+SFT_SCRIPT = PROJECT_ROOT / "scripts" / "sft.py"
+# The `accelerate launch` flags this command understands; any other flag is scripts/sft.py's.
+LAUNCHER_FLAGS = ("config_file", "num_processes", "num_machines", "machine_rank", "main_process_ip",
+                  "main_process_port")
+
+
+def check_accelerate_config(config_file: str) -> dict:
+    """The accelerate config file as accelerate will read it, or a UserError saying what to fix in it."""
+    from accelerate.commands.config.config_args import load_config_from_file
+    from accelerate.utils import DistributedType
+
+    values = read_yaml_mapping(config_file, "accelerate config", "pass one of accelerate_configs/*.yaml")
+    kinds = sorted(kind.value for kind in DistributedType)
+    if values.get("distributed_type", "NO") not in kinds:
+        raise UserError(
+            f"{config_file}: `distributed_type: {values['distributed_type']}` is not a type accelerate knows; use "
+            f"MULTI_GPU (DDP), FSDP, DEEPSPEED or NO, as the files in accelerate_configs/ do."
+        )
+    deepspeed_file = (values.get("deepspeed_config") or {}).get("deepspeed_config_file")
+    if values.get("distributed_type") == "DEEPSPEED" and deepspeed_file:
+        read_deepspeed_config(deepspeed_file)
+    try:
+        load_config_from_file(config_file)
+    except ValueError as error:
+        text = " ".join(str(error).split())
+        if "unknown keys" in text:
+            keys = text.split("(", 1)[1].split(")", 1)[0]
+            raise UserError(f"{config_file}: unknown keys {keys}; remove them or fix their spelling.") from None
+        raise UserError(f"{config_file}: {text.rstrip('.')}; fix that field.") from None
+    return values
+
+
+def planned_config(sft_args: list[str], nodes: int) -> tuple[str | None, int]:
+    """No config file given: the planner's choice for the GPUs visible here; no GPU: one process on the CPU."""
+    import torch
+
+    from finetune import plan
+
+    gpus = torch.cuda.device_count()
+    if gpus == 0:
+        print("[finetune] launch: no GPU visible, so one process on the CPU (no accelerate config file)", flush=True)
+        return None, 1
+    if "--config" not in sft_args:
+        raise UserError("command line: finetune launch without --config_file needs --config recipes/M/METHOD.yaml "
+                        "to plan for; add it, or pass --config_file.")
+    recipe = sft_args[sft_args.index("--config") + 1]
+    overrides = [arg for arg in sft_args if arg not in ("--config", recipe)]
+    memory_gib = torch.cuda.get_device_properties(0).total_memory / 2**30
+    result = plan.plan(plan.read_recipe(recipe, plan.parse_overrides(overrides)), gpus=gpus,
+                       gpu=torch.cuda.get_device_name(0), gpu_memory_gib=memory_gib, nodes=nodes, recipe_path=recipe)
+    print(plan.format_plan(result), flush=True)
+    if not result.fits:
+        raise UserError(f"{recipe}: no strategy fits {gpus * nodes} GPU(s) of {memory_gib:.0f} GiB; "
+                        f"try one of the changes listed above.")
+    return str(PROJECT_ROOT / plan.CONFIG_FILES[result.technique]), gpus * nodes
+
+
+def default_config_file() -> str:
+    from accelerate.commands.config.config_args import default_config_file
+
+    return default_config_file
+
+
+def accelerate_command(argv: list[str]) -> list[str]:
+    parser = argparse.ArgumentParser(prog="finetune launch", add_help=False, allow_abbrev=False)
+    for flag in LAUNCHER_FLAGS:
+        parser.add_argument(f"--{flag}")
+    launcher, sft_args = parser.parse_known_args(argv)
+    if launcher.config_file:
+        check_accelerate_config(launcher.config_file)
+    elif Path(default_config_file()).is_file():
+        check_accelerate_config(default_config_file())  # what `accelerate launch` reads when given no file
+    else:
+        launcher.config_file, processes = planned_config(sft_args, int(launcher.num_machines or 1))
+        launcher.num_processes = launcher.num_processes or (processes if launcher.config_file else None)
+    accelerate = Path(sys.executable).with_name("accelerate")
+    command = [str(accelerate), "launch"] if accelerate.is_file() else [sys.executable, "-m", "accelerate.commands.launch"]
+    for flag in LAUNCHER_FLAGS:
+        if getattr(launcher, flag) is not None:
+            command += [f"--{flag}", str(getattr(launcher, flag))]
+    return [*command, str(SFT_SCRIPT), *sft_args]
+
+
+def main(argv: list[str]) -> int:
+    command = accelerate_command(argv)
+    print("[finetune] launch: " + " ".join(shlex.quote(part) for part in command), flush=True)
+    os.execv(command[0], command)

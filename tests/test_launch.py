@@ -1,0 +1,81 @@
+"""`finetune launch`: it hands the run to the real `accelerate launch` with the config file it was given, or with the
+one the planner chooses for the GPUs it sees. (Its refusals of broken accelerate config files are cases of the table
+in tests/test_bad_inputs.py.)"""
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conftest import ROOT, printed_setup
+from finetune import launch, plan
+
+FINETUNE = str(Path(sys.executable).with_name("finetune"))
+H200_BYTES = 141 * 10**9
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_launch_runs_the_given_config_file_with_its_processes(tmp_path):
+    result = subprocess.run(
+        [FINETUNE, "launch", "--config_file", "accelerate_configs/ddp.yaml", "--num_processes", "2",
+         "--main_process_port", str(free_port()), "--config", "recipes/llama-3.2-1b/full.yaml", "--tiny",
+         "--max_steps", "2", "--eval_strategy", "no", "--report_to", "none", "--output_dir", str(tmp_path / "out")],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    setup = printed_setup(result.stdout)
+    assert setup["world_size"] == 2 and setup["strategy"] == "ddp", setup
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
+@pytest.fixture
+def gpus(monkeypatch, tmp_path):
+    """Pretend this machine has `count` H200s, and that accelerate has no default config file."""
+    def pretend(count: int):
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: SimpleNamespace(total_memory=H200_BYTES))
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: "NVIDIA H200")
+    monkeypatch.setattr(launch, "default_config_file", lambda: str(tmp_path / "no-default-config.yaml"))
+    return pretend
+
+
+def flag(command: list[str], name: str) -> str | None:
+    return command[command.index(name) + 1] if name in command else None
+
+
+@pytest.mark.parametrize("recipe, count, technique", [
+    ("recipes/gpt-oss-120b/lora.yaml", 8, "fsdp2"),     # 240 GB of bf16 weights: sharded over 8 GPUs
+    ("recipes/gpt-oss-120b/lora.yaml", 1, "zero3_offload"),  # on one GPU only offloading the weights fits
+    ("recipes/llama-3.2-3b/lora.yaml", 8, "ddp"),       # fits one GPU: plain data parallel
+])
+def test_launch_without_a_config_file_uses_the_planners_choice_for_the_gpus_it_sees(gpus, recipe, count, technique):
+    gpus(count)
+    command = launch.accelerate_command(["--config", recipe, "--max_steps", "5"])
+    chosen = plan.plan(plan.read_recipe(ROOT / recipe, {"max_steps": 5}), gpus=count, gpu_memory_gib=H200_BYTES / 2**30)
+    assert chosen.technique == technique
+    assert flag(command, "--config_file") == str(ROOT / plan.CONFIG_FILES[technique])
+    assert flag(command, "--num_processes") == str(count)
+    assert command[-5:] == [str(launch.SFT_SCRIPT), "--config", recipe, "--max_steps", "5"]
+
+
+def test_launch_without_gpus_runs_one_process_on_the_cpu(gpus):
+    gpus(0)
+    command = launch.accelerate_command(["--config", "recipes/llama-3.2-1b/full.yaml", "--tiny"])
+    assert "--config_file" not in command and "--num_processes" not in command
+    assert command[-4:] == [str(launch.SFT_SCRIPT), "--config", "recipes/llama-3.2-1b/full.yaml", "--tiny"]
+
+
+def test_launch_checks_accelerates_default_config_when_given_no_file(monkeypatch, tmp_path):
+    default = tmp_path / "default_config.yaml"
+    default.write_text("distributed_type: MULTI_GPX\n")
+    monkeypatch.setattr(launch, "default_config_file", lambda: str(default))
+    with pytest.raises(launch.UserError, match="default_config.yaml: `distributed_type: MULTI_GPX`"):
+        launch.accelerate_command(["--config", "recipes/llama-3.2-1b/full.yaml"])
