@@ -1,0 +1,118 @@
+"""Fault injection on a single-process run of the tiny model (tests/preemption.py has the machinery): seeded SIGKILLs at
+every moment of a step and a save, a SIGKILL from outside, SIGTERM, corrupted checkpoints, a full disk, a folder it may
+not write to; each relaunch must end with exactly the weights and loss curve of the uninterrupted run."""
+
+import random
+import signal
+import subprocess
+
+import pytest
+import torch
+from conftest import run_sft_in_process
+from preemption import (SEED, WEIGHTS, Launch, assert_same_checkpoint, complete_checkpoints, copy_run, error_line,
+                        kill_positions, reference, run_args, run_kill_chain, tmpfs)
+from preemption import training_data  # noqa: F401  (autouse fixture: the module's training data file)
+
+from finetune.checkpoints import MARKER, checkpoint_problem
+
+
+@pytest.fixture(scope="module")
+def reference_single(tmp_path_factory):
+    return reference(tmp_path_factory, 1)
+
+
+def test_single_process_survives_seeded_kills_and_sigterm_with_bitwise_equal_weights(tmp_path, reference_single):
+    rng = random.Random(SEED)
+    positions = kill_positions(rng, ["mid_step", "save_weights", "save_optimizer", "before_rotation"])
+    run_kill_chain(tmp_path, 1, reference_single, positions, sigterm_after_steps=1,
+                   external_kill_delay=rng.uniform(3, 15))
+
+
+def test_corrupted_checkpoints_are_skipped_with_a_message_and_the_run_resumes_exactly(tmp_path, reference_single):
+    output_dir = copy_run(reference_single, tmp_path / "out")
+    weights = output_dir / "checkpoint-12" / WEIGHTS
+    with open(weights, "r+b") as handle:
+        handle.truncate(weights.stat().st_size - 1000)
+    (output_dir / "checkpoint-9" / "optimizer.pt").unlink()
+    (output_dir / "checkpoint-6" / MARKER).unlink()
+    launch = Launch(tmp_path, 1, output_dir)
+    assert launch.wait() == 0, launch.text()[-3000:]
+    text = launch.text()
+    assert f"skipping {output_dir / 'checkpoint-12'}: {WEIGHTS} is truncated or changed" in text
+    assert f"skipping {output_dir / 'checkpoint-9'}: optimizer.pt is missing" in text
+    assert f"resuming from {output_dir / 'checkpoint-3'}: the newest complete checkpoint" in text, text[-3000:]
+    assert f"skipping {output_dir / 'checkpoint-6'}: no completeness marker" in text
+    assert_same_checkpoint(output_dir, reference_single)
+
+
+def test_a_truncated_safetensors_is_caught_even_when_its_size_matches_the_marker(tmp_path):
+    from safetensors.torch import save_file
+
+    from finetune.checkpoints import safetensors_problem
+
+    path = tmp_path / "w.safetensors"
+    save_file({"a": torch.ones(100)}, str(path))
+    assert safetensors_problem(path) is None
+    path.write_bytes(path.read_bytes()[:-40])
+    assert "truncated" in safetensors_problem(path)
+
+
+def test_an_explicit_resume_from_an_incomplete_checkpoint_is_refused(tmp_path, reference_single, capfd, monkeypatch):
+    output_dir = copy_run(reference_single, tmp_path / "out")
+    (output_dir / "checkpoint-6" / "optimizer.pt").unlink()
+    arguments = [*run_args(tmp_path, output_dir), "--resume_from_checkpoint", str(output_dir / "checkpoint-6")]
+    result = run_sft_in_process(arguments, capfd, monkeypatch)
+    assert result.returncode == 2
+    last = error_line(result.stderr)
+    assert "checkpoint-6" in last and "optimizer.pt is missing" in last, last
+
+
+def test_full_disk_at_save_time_is_a_clear_error_and_the_previous_checkpoint_survives(tmp_path, reference_single):
+    """A real full disk (an 800 kB tmpfs holds the run files and one checkpoint) where mounting is allowed, else a
+    mocked ENOSPC in the second checkpoint's write; then space is freed and the relaunch resumes exactly."""
+    disk = tmp_path / "disk"
+    real = tmpfs(disk, "800k")
+    try:
+        output_dir = disk / "out"
+        launch = Launch(tmp_path, 1, output_dir, fault=None if real else "enospc:6")
+        assert launch.wait() != 0
+        last = error_line(launch.text())
+        assert "no space left on the device" in last and "Traceback" not in launch.text(), launch.text()[-3000:]
+        failed = int(last.split("could not write checkpoint-", 1)[1].split()[0])
+        kept = sorted(complete_checkpoints(output_dir))
+        assert kept and kept == [step for step in (3, 6, 9, 12) if step < failed], (kept, last)
+        assert f"{output_dir / f'checkpoint-{kept[-1]}'} is intact and a relaunch resumes from it" in last, last
+        assert not (output_dir / f"checkpoint-{failed}").exists(), "the half-written checkpoint is removed"
+        for step in kept:
+            assert_same_checkpoint(output_dir / f"checkpoint-{step}", reference_single / f"checkpoint-{step}")
+        if real:
+            subprocess.run(["mount", "-o", "remount,size=64m", str(disk)], check=True)
+        resumed = Launch(tmp_path, 1, output_dir)
+        assert resumed.wait() == 0, resumed.text()[-3000:]
+        assert_same_checkpoint(output_dir, reference_single)
+        print(f"\n[preemption] full disk: {'a real 800 kB tmpfs' if real else 'a mocked ENOSPC'}: {last}")
+    finally:
+        if real:
+            subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
+def test_no_write_permission_at_save_time_is_a_clear_error_and_the_previous_checkpoint_survives(tmp_path, reference_single):
+    output_dir = tmp_path / "out"
+    launch = Launch(tmp_path, 1, output_dir, fault="eacces:6")  # root ignores chmod, so the write failure is mocked
+    assert launch.wait() != 0
+    last = error_line(launch.text())
+    assert "no write permission" in last and "checkpoint-3 is intact" in last, last
+    assert "Traceback" not in launch.text()
+    assert [path.name for path in output_dir.glob("checkpoint-*")] == ["checkpoint-3"]
+    assert_same_checkpoint(output_dir / "checkpoint-3", reference_single / "checkpoint-3")
+
+
+def test_save_total_limit_one_never_leaves_no_complete_checkpoint(tmp_path, reference_single):
+    """With save_total_limit 1, a kill after the new checkpoint is written but before its marker must still find the
+    previous checkpoint: the Trainer's own rotation (which runs before the marker) is deferred until after it."""
+    output_dir = tmp_path / "out"
+    launch = Launch(tmp_path, 1, output_dir, "--save_total_limit", "1", fault="before_marker:6")
+    assert launch.wait() == -signal.SIGKILL
+    assert sorted(complete_checkpoints(output_dir)) == [3]
+    assert checkpoint_problem(output_dir / "checkpoint-6").startswith("no completeness marker")
+    assert_same_checkpoint(output_dir / "checkpoint-3", reference_single / "checkpoint-3")
