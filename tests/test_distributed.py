@@ -28,6 +28,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.xdist_group("test_distributed")  # one worker: its launches are module fixtures
+
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
 CONFIGS = PROJECT_ROOT / "accelerate_configs"

@@ -44,6 +44,8 @@ import pytest
 
 from finetune import plan
 
+pytestmark = pytest.mark.xdist_group("test_plan_sharding")  # one worker: its launches are module fixtures
+
 ROOT = Path(__file__).resolve().parent.parent
 ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
 RECIPE = "recipes/llama-3.2-1b/full.yaml"

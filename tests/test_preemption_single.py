@@ -15,6 +15,8 @@ from preemption import training_data  # noqa: F401  (autouse fixture: the module
 
 from finetune.checkpoints import MARKER, checkpoint_problem
 
+pytestmark = pytest.mark.xdist_group("test_preemption_single")  # one worker: its launches are module fixtures
+
 
 @pytest.fixture(scope="module")
 def reference_single(tmp_path_factory):

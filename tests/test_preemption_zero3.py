@@ -7,6 +7,8 @@ import pytest
 from preemption import SEED, kill_positions, reference, run_kill_chain
 from preemption import training_data  # noqa: F401  (autouse fixture: the module's training data file)
 
+pytestmark = pytest.mark.xdist_group("test_preemption_zero3")  # one worker: its launches are module fixtures
+
 
 @pytest.fixture(scope="module")
 def reference_zero3(tmp_path_factory):
