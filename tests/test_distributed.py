@@ -28,7 +28,6 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.xdist_group("test_distributed")  # one worker: its launches are module fixtures
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
@@ -61,6 +60,11 @@ COMPARABLE = [
 ]
 # No dropout; LoRA needs a larger step to move in 4 steps; activation checkpointing on (FSDP2 + checkpointing + LoRA).
 LORA = ["--lora_dropout", "0", "--learning_rate", "1e-2", "--gradient_checkpointing", "true"]
+
+
+def per_config(configs: list[str]) -> list:
+    """The tests of one config file run on one pytest-xdist worker: they share that config's launches (`runs`)."""
+    return [pytest.param(config, marks=pytest.mark.xdist_group(f"distributed-{config}")) for config in configs]
 
 
 def free_port() -> int:
@@ -244,7 +248,7 @@ def test_single_process_reference_trains_and_saves_a_changed_model(runs):
 # --- Full fine-tuning under every config file: strategy, same answer, full model saved, resume.
 
 
-@pytest.mark.parametrize("config", STRATEGIES)
+@pytest.mark.parametrize("config", per_config(STRATEGIES))
 def test_full_finetune_runs_the_strategy_of_its_config_file(runs, config):
     first, resumed = runs.full_resumed(config)
     assert_setup(first, config)
@@ -252,7 +256,7 @@ def test_full_finetune_runs_the_strategy_of_its_config_file(runs, config):
     assert resumed.losses[-1] < resumed.losses[0], resumed.losses
 
 
-@pytest.mark.parametrize("config", STRATEGIES)
+@pytest.mark.parametrize("config", per_config(STRATEGIES))
 def test_full_finetune_resumes_from_its_checkpoint_to_the_uninterrupted_result(runs, config):
     uninterrupted, resumed = runs.full_resumed(config)
     assert "[finetune] resuming from" not in uninterrupted.output
@@ -270,7 +274,7 @@ def test_full_finetune_resumes_from_its_checkpoint_to_the_uninterrupted_result(r
     assert loss_difference <= bound and weight_difference <= bound
 
 
-@pytest.mark.parametrize("config", STRATEGIES)
+@pytest.mark.parametrize("config", per_config(STRATEGIES))
 def test_full_finetune_gives_the_single_process_answer(runs, config):
     reference = runs.full_single()
     _, run = runs.full_resumed(config)
@@ -284,7 +288,7 @@ def test_full_finetune_gives_the_single_process_answer(runs, config):
 # --- LoRA (GPT-OSS: attention and expert parameters) under every config file: a non-empty adapter, same answer.
 
 
-@pytest.mark.parametrize("config", LORA_STRATEGIES)
+@pytest.mark.parametrize("config", per_config(LORA_STRATEGIES))
 def test_lora_saves_the_single_process_adapter(runs, config):
     reference = runs.gpt_oss_lora(None)
     run = runs.gpt_oss_lora(config)
