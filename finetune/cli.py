@@ -73,7 +73,7 @@ def _run_launch(args: argparse.Namespace, extra: list[str]) -> int:
     from finetune.config import UserError
 
     try:
-        return launch.main(extra)
+        launch.main(extra)
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

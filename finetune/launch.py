@@ -102,7 +102,8 @@ def accelerate_command(argv: list[str]) -> list[str]:
     return [*command, str(SFT_SCRIPT), *sft_args]
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str]) -> None:
+    """Replace this process with `accelerate launch ...`: its exit code is the run's."""
     command = accelerate_command(argv)
     print("[finetune] launch: " + " ".join(shlex.quote(part) for part in command), flush=True)
     os.execv(command[0], command)
