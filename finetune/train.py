@@ -124,6 +124,10 @@ def train_and_save(trainer: SFTTrainer, run: RunConfig, tokenizer) -> None:
             after = model_loading.answer(trainer.model, tokenizer, run.finetune.sample_prompt)
             print(f"[finetune] {run.finetune.sample_prompt!r}\n  before training: {before!r}\n  after training:  {after!r}")
         print(f"[finetune] saved to {output_dir}", flush=True)
+    # Every rank waits for the main one's writes, then the process group is closed: a rank exiting with gloo's
+    # threads still running aborts ("terminate called without an active exception") and fails the launch.
+    trainer.accelerator.wait_for_everyone()
+    trainer.accelerator.end_training()
 
 
 def save_loss_plot(log_history: list[dict], path: Path) -> None:
