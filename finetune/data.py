@@ -11,6 +11,7 @@ from pathlib import Path
 
 from datasets import Dataset, DatasetDict, load_dataset
 from trl import ScriptArguments, SFTConfig
+from trl.data_utils import is_conversational
 
 from finetune.config import UserError
 
@@ -81,7 +82,7 @@ def load_datasets(script: ScriptArguments, training: SFTConfig, length_tokenizer
     if length_tokenizer is not None:
         refuse_long_samples(train, f"{script.dataset_name} [{script.dataset_train_split}]", length_tokenizer,
                             training.max_length)
-    if training.assistant_only_loss and not _is_conversational(train[0]):
+    if training.assistant_only_loss and not is_conversational(train[0]):
         raise UserError(
             f"{script.dataset_name}: `assistant_only_loss: true` needs conversations (`messages`, or `prompt` and "
             f"`completion` as lists of turns), and these rows are plain text; set assistant_only_loss: false "
@@ -129,10 +130,6 @@ def _token_count(row: dict, tokenizer) -> int:
         turns = row["prompt"] + row["completion"]
         return len(tokenizer.apply_chat_template(turns, tokenize=True, return_dict=True)["input_ids"])
     return len(tokenizer(row["prompt"] + row["completion"])["input_ids"]) + 1
-
-
-def _is_conversational(row: dict) -> bool:
-    return "messages" in row or isinstance(row.get("prompt"), list)
 
 
 def dataset_format(columns: list[str]) -> str | None:
