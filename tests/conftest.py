@@ -3,6 +3,7 @@
 import json
 import os
 import runpy
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +24,13 @@ def tiny_model_cache(tmp_path_factory):
     cache = tmp_path_factory.mktemp("tiny-models")
     os.environ["FINETUNE_TINY_CACHE"] = str(cache)
     return cache
+
+
+def free_port() -> int:
+    """A port no one listens on now: parallel test workers each launching accelerate on its default 29500 collide."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def launch_sft(*args: str, cwd: Path = ROOT, launcher: list[str] | None = None, timeout: int = 600):

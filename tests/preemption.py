@@ -12,14 +12,13 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import ACCELERATE, ROOT
+from conftest import ACCELERATE, ROOT, free_port
 from safetensors.torch import load_file
 
 from finetune.checkpoints import PREEMPTED_EXIT_CODE, checkpoint_problem
@@ -112,11 +111,6 @@ runpy.run_path(os.environ["SFT_SCRIPT"], run_name="__main__")
 PHASES = ["mid_step", "save_weights", "save_optimizer", "before_marker", "before_rotation"]
 SAVE_PHASES = PHASES[1:]
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def launcher(processes: int, config: str) -> list[str]:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ACCELERATE, ROOT, run_sft_in_process
+from conftest import ACCELERATE, ROOT, free_port, run_sft_in_process
 
 FINETUNE = str(Path(sys.executable).with_name("finetune"))
 from test_config import folder_digest, good_turns, write
@@ -76,7 +76,8 @@ def run_finetune_launch_in_process(launcher: list[str], arguments: list[str], ca
 
 def accelerate_launch(config_builder):
     """A case launched by the real `accelerate launch -q --config_file` with the file the builder writes."""
-    return lambda t: [ACCELERATE, "launch", "-q", "--config_file", str(config_builder(t))]
+    return lambda t: [ACCELERATE, "launch", "-q", "--config_file", str(config_builder(t)), "--main_process_port",
+                      str(free_port())]
 
 
 LONG_ROW = {"messages": [user("count " * 200), assistant()]}

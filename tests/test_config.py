@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ACCELERATE, ROOT, run_sft_in_process
+from conftest import ACCELERATE, ROOT, free_port, run_sft_in_process
 
 LLAMA_FULL = ROOT / "recipes" / "llama-3.2-1b" / "full.yaml"
 LLAMA_LORA = ROOT / "recipes" / "llama-3.2-1b" / "lora.yaml"
@@ -129,7 +129,7 @@ def test_qlora_under_a_sharding_config_is_refused_by_the_real_launcher(tmp_path)
     result = run_sft(
         "--config", str(QLORA), "--tiny", "--output_dir", str(tmp_path / "out"),
         launcher=(ACCELERATE, "launch", "--config_file", str(ROOT / "accelerate_configs" / "fsdp.yaml"),
-                  "--num_processes", "2", "--main_process_port", "29617"),
+                  "--num_processes", "2", "--main_process_port", str(free_port())),
     )
     assert result.returncode != 0
     assert "error: " in result.stderr and "fsdp.yaml: QLoRA's 4-bit weights cannot be sharded by FSDP" in result.stderr

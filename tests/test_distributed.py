@@ -19,7 +19,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,6 +26,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import free_port
 
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -66,11 +66,6 @@ def per_config(configs: list[str]) -> list:
     """The tests of one config file run on one pytest-xdist worker: they share that config's launches (`runs`)."""
     return [pytest.param(config, marks=pytest.mark.xdist_group(f"distributed-{config}")) for config in configs]
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def launch_env(**extra) -> dict:

@@ -2,7 +2,6 @@
 one the planner chooses for the GPUs it sees. (Its refusals of broken accelerate config files are cases of the table
 in tests/test_bad_inputs.py.)"""
 
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -11,17 +10,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import ROOT, printed_setup
+from conftest import ROOT, free_port, printed_setup
 from finetune import launch, plan
 
 FINETUNE = str(Path(sys.executable).with_name("finetune"))
 H200_BYTES = 141 * 10**9
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_launch_runs_the_given_config_file_with_its_processes(tmp_path):

@@ -5,12 +5,12 @@ concurrently, as srun does) and a fake `scontrol` expands the node list.
 """
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import free_port
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = PROJECT_ROOT / "scripts" / "launch.slurm"
@@ -122,17 +122,12 @@ def test_slurm_script_trains_two_nodes_on_one_host(fake_slurm, tmp_path):
         "--max_steps", "2", "--eval_strategy", "no", "--save_strategy", "no", "--report_to", "none",
         "--per_device_train_batch_size", "4",
         hostnames="127.0.0.1", ACCELERATE=str(accelerate), GPUS_PER_NODE="1", HF_HUB_OFFLINE="1",
-        MASTER_PORT=str(_free_port()),
+        MASTER_PORT=str(free_port()),
     )
     assert result.returncode == 0, f"{result.stderr}\n{nodes[0][-4000:]}\n{nodes[1][-4000:]}"
     assert '"world_size": 2' in nodes[0] and '"strategy": "ddp"' in nodes[0], nodes[0][-4000:]
     assert (output_dir / "model.safetensors").is_file()
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_slurm_script_is_valid_bash():

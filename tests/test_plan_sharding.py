@@ -34,13 +34,13 @@ Not counted by the planner and reported apart: Adam's `step` tensors (4 bytes pe
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from conftest import free_port
 
 from finetune import plan
 
@@ -54,11 +54,6 @@ FP32 = 4
 PLANNER_DEEPSPEED_WEIGHT_BYTES = 2  # plan.estimate: "params * 2" (bf16) for zero2/zero3 weights
 TECHNIQUE = {"fsdp": "fsdp2", "zero2": "zero2", "zero3": "zero3"}
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def probe(config: str, output_dir: Path) -> list[dict]:
