@@ -18,6 +18,21 @@ ROOT = Path(__file__).resolve().parent.parent
 ACCELERATE = str(Path(sys.executable).parent / "accelerate")
 
 
+def pytest_configure(config):
+    """Refuse the versions with which pytest-xdist's loadgroup ignores xdist_group marks (pytest-dev/pytest-xdist#1386):
+    the modules whose launches are shared module fixtures would repeat them on every worker, silently."""
+    if config.getoption("dist", "no") != "loadgroup":
+        return
+    from importlib.metadata import version
+
+    from packaging.version import Version
+
+    if Version(version("pytest")) >= Version("9.2") and Version(version("pytest-xdist")) <= Version("3.8.0"):
+        raise pytest.UsageError(
+            f"pytest {version('pytest')} with pytest-xdist {version('pytest-xdist')} ignores xdist_group marks: "
+            "install the `test` extra's versions (pip install -e '.[test]') or run with -n 0.")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def tiny_model_cache(tmp_path_factory):
     """Tiny models are built by the first run that needs them, into a cache private to this test session."""
