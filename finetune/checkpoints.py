@@ -268,7 +268,7 @@ def _safe_save_checkpoint(trainer, original_save, model, trial=None) -> None:
     try:
         with _rotation_deferred():
             original_save(model, trial)
-    except Exception as error:  # noqa: BLE001 - a failed write is reported below; anything else is re-raised
+    except Exception as error:
         if save_failure_reason(error, run_dir) is None:
             raise
         failure = error

@@ -13,9 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
+from trl import ModelConfig, ScriptArguments, SFTConfig, TrlParser
+
 from finetune import cpu
 from finetune.architectures import model_family
-from trl import ModelConfig, ScriptArguments, SFTConfig, TrlParser
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 RUN_RECORD = "finetune_run.json"

@@ -633,8 +633,8 @@ def plan(recipe_values: dict, gpus: int, gpu: str | None = None, gpu_memory_gib:
 def format_plan(p: Plan) -> str:
     budget = p.gpu_memory_gib * SAFETY_MARGIN
     lines = [
-        f"{p.model} ({p.method}) on {p.nodes} x {p.gpus_per_node} x {p.gpu} "
-        f"({p.gpu_memory_gib:.1f} GiB; budget {budget:.1f} GiB = {SAFETY_MARGIN:.0%})",
+        f"{p.model} ({p.method}) on {p.nodes} node{'s' if p.nodes > 1 else ''} x {p.gpus_per_node} {p.gpu} "
+        f"({p.gpu_memory_gib:.1f} GiB each; budget {budget:.1f} GiB = {SAFETY_MARGIN:.0%})",
         "",
         f"{'technique':<16}{'per GPU GiB':>12}  {'weights':>8} {'optim':>8} {'act/grad':>9} {'other':>8}  verdict",
     ]
