@@ -268,7 +268,7 @@ def _safe_save_checkpoint(trainer, original_save, model, trial=None) -> None:
     try:
         with _rotation_deferred():
             original_save(model, trial)
-    except Exception as error:
+    except Exception as error:  # a failed write is reported below; anything else is re-raised
         if save_failure_reason(error, run_dir) is None:
             raise
         failure = error
