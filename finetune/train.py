@@ -2,9 +2,11 @@
 resume from the output folder, a generation config that stops, a record of the run, and a loss-curve PNG.
 """
 
+import atexit
 import json
 import logging
 import os
+import sys
 from pathlib import Path
 
 from torch.distributed.tensor import DTensor
@@ -124,10 +126,22 @@ def train_and_save(trainer: SFTTrainer, run: RunConfig, tokenizer) -> None:
             after = model_loading.answer(trainer.model, tokenizer, run.finetune.sample_prompt)
             print(f"[finetune] {run.finetune.sample_prompt!r}\n  before training: {before!r}\n  after training:  {after!r}")
         print(f"[finetune] saved to {output_dir}", flush=True)
-    # Every rank waits for the main one's writes, then the process group is closed: a rank exiting with gloo's
-    # threads still running aborts ("terminate called without an active exception") and fails the launch.
-    trainer.accelerator.wait_for_everyone()
-    trainer.accelerator.end_training()
+
+
+def finish_run(trainer: SFTTrainer) -> None:
+    """Every rank waits for the main one's writes and accelerate closes the process group; a process of a
+    multi-process run then exits without the interpreter's teardown. gloo's worker threads outlive
+    destroy_process_group, and their destruction during finalization aborted a finished rank about once in a hundred
+    CPU launches ("terminate called without an active exception", pytorch/pytorch#190489), failing the launch."""
+    accelerator = trainer.accelerator
+    accelerator.wait_for_everyone()
+    processes = accelerator.num_processes
+    accelerator.end_training()
+    if processes > 1:
+        atexit._run_exitfuncs()  # what a normal exit runs first: logging, trackers (wandb finishes its run here)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def save_loss_plot(log_history: list[dict], path: Path) -> None:

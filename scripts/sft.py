@@ -22,6 +22,7 @@ def prepare(argv: list[str] | None = None):
 def main(argv: list[str] | None = None) -> None:
     run, trainer, tokenizer = prepare(argv)
     train.train_and_save(trainer, run, tokenizer)
+    train.finish_run(trainer)
 
 if __name__ == "__main__":
     config.exit_on_user_error(main)

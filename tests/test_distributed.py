@@ -186,10 +186,17 @@ class Runs:
     def __init__(self, root: Path):
         self.root = root
         self.cache: dict[str, Run] = {}
+        self.failures: dict[str, str] = {}
 
     def get(self, key: str, launch) -> Run:
+        if key in self.failures:  # the other tests sharing this launch fail with its error, not a relaunch's
+            pytest.fail(f"shared launch {key} failed earlier:\n{self.failures[key]}")
         if key not in self.cache:
-            self.cache[key] = launch(self.root / key)
+            try:
+                self.cache[key] = launch(self.root / key)
+            except AssertionError as error:
+                self.failures[key] = str(error)[-6000:]
+                raise
         return self.cache[key]
 
     def full_single(self) -> Run:
