@@ -112,7 +112,6 @@ PHASES = ["mid_step", "save_weights", "save_optimizer", "before_marker", "before
 SAVE_PHASES = PHASES[1:]
 
 
-
 def launcher(processes: int, config: str) -> list[str]:
     if processes == 1:
         return [ACCELERATE, "launch", "-q"]
@@ -238,8 +237,6 @@ def kill_positions(rng: random.Random, phases: list[str]) -> list[tuple[int, str
         steps = range(1, last + 1) if phase == "mid_step" else range(SAVE_STEPS, last + 1, SAVE_STEPS)
         positions.add((rng.choice([step for step in steps if (step, phase) not in positions]), phase))
     return sorted(positions, key=lambda position: (position[0], PHASES.index(position[1])))
-
-
 
 
 def run_kill_chain(tmp: Path, processes: int, reference_dir: Path, positions, sigterm_after_steps: int | None,

@@ -67,7 +67,6 @@ def per_config(configs: list[str]) -> list:
     return [pytest.param(config, marks=pytest.mark.xdist_group(f"distributed-{config}")) for config in configs]
 
 
-
 def launch_env(**extra) -> dict:
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
     # DeepSpeed compiles its CPU ops (shared-memory comm, CPUAdam for offload) once; keep them across runs.
@@ -224,7 +223,6 @@ class Runs:
         return self.get(f"gpt-oss-lora-{config or 'single'}", lambda out: run_sft(
             config, "gpt-oss-20b/lora", out, *COMPARABLE, *LORA, *batch_flags(processes), "--max_steps", str(STEPS),
             processes=processes))
-
 
 
 @pytest.fixture(scope="module")

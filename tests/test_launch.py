@@ -17,7 +17,6 @@ FINETUNE = str(Path(sys.executable).with_name("finetune"))
 H200_BYTES = 141 * 10**9
 
 
-
 def test_launch_runs_the_given_config_file_with_its_processes(tmp_path):
     result = subprocess.run(
         [FINETUNE, "launch", "--config_file", "accelerate_configs/ddp.yaml", "--num_processes", "2",

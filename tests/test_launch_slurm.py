@@ -129,6 +129,5 @@ def test_slurm_script_trains_two_nodes_on_one_host(fake_slurm, tmp_path):
     assert (output_dir / "model.safetensors").is_file()
 
 
-
 def test_slurm_script_is_valid_bash():
     assert subprocess.run(["bash", "-n", str(SCRIPT)]).returncode == 0

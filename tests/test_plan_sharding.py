@@ -55,7 +55,6 @@ PLANNER_DEEPSPEED_WEIGHT_BYTES = 2  # plan.estimate: "params * 2" (bf16) for zer
 TECHNIQUE = {"fsdp": "fsdp2", "zero2": "zero2", "zero3": "zero3"}
 
 
-
 def probe(config: str, output_dir: Path) -> list[dict]:
     """Launch the probe with one shipped accelerate config and 2 processes; one dict per rank, rank order."""
     command = [ACCELERATE, "launch", "--config_file", str(ROOT / "accelerate_configs" / f"{config}.yaml"),
