@@ -3,7 +3,9 @@ PyTorch's own `torch.nn.attention.varlen` kernel (no flash-attn package, nothing
 
 TRL's packing puts several conversations in one row and passes their boundaries (`cu_seq_lens_q`); each one then
 attends only to itself and no padding is computed. With sdpa the same rows need a dense block mask over the whole
-packed row, which measured 3.8x slower on an H200 (docs/benchmarks.md). Rows that are not packed go through sdpa.
+packed row, which measured 3.8x slower on an H200 (docs/benchmarks.md). Rows that are not packed go through sdpa, and
+so do packed rows whose documents all have the same length (pre-packed fixed-length data): they are an ordinary batch,
+and sdpa's cuDNN kernel is faster on Hopper than the varlen kernel.
 """
 
 import inspect
@@ -24,9 +26,13 @@ def _varlen_kernel():
     return varlen_attn, set(inspect.signature(varlen_attn).parameters)
 
 
+# looked up once: inspecting a signature inside a torch.compile'd layer would break its graph
+_KERNEL, _KERNEL_PARAMETERS = _varlen_kernel()
+
+
 def varlen_attention(query, key, value, cu_seq_lens, max_length: int, scaling: float | None) -> torch.Tensor:
     """(1, heads, tokens, dim) tensors of one packed row -> (1, tokens, heads, dim), causal within each document."""
-    kernel, parameters = _varlen_kernel()
+    kernel, parameters = _KERNEL, _KERNEL_PARAMETERS
     q, k, v = (tensor[0].transpose(0, 1) for tensor in (query, key, value))
     groups = q.shape[1] // k.shape[1]
     kwargs = {"window_size": (-1, 0)} if "window_size" in parameters else {"is_causal": True}
@@ -58,6 +64,14 @@ def block_diagonal_attention(query, key, value, cu_seq_lens, scaling: float | No
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous()
 
 
+def equal_documents_attention(module, query, key, value, documents: int, dropout: float, scaling: float | None):
+    """A packed row of `documents` documents of one length is a batch of that many rows: causal sdpa over
+    (documents, heads, length, dim), returned as the packed row's (1, tokens, heads, dim)."""
+    batch = [tensor.unflatten(2, (documents, -1)).transpose(0, 2).squeeze(2) for tensor in (query, key, value)]
+    out, _ = sdpa_attention_forward(module, *batch, None, dropout=dropout, scaling=scaling, is_causal=True)
+    return out.flatten(0, 1).unsqueeze(0), None
+
+
 def varlen_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """The AttentionInterface entry: packed rows through the varlen kernel (on CPU through the block-diagonal mask),
     other rows (right-padded, so causal attention never sees the padding before a real token) through causal sdpa."""
@@ -66,9 +80,13 @@ def varlen_attention_forward(module, query, key, value, attention_mask, dropout=
     cu_seq_lens = kwargs.get("cu_seq_lens_q")
     if cu_seq_lens is None or query.shape[0] != 1:
         return sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling)
+    documents = cu_seq_lens.shape[0] - 1
+    max_length = kwargs.get("max_length_q")
+    if isinstance(max_length, int) and documents * max_length == query.shape[2]:  # no device sync: TRL's int
+        return equal_documents_attention(module, query, key, value, documents, dropout, scaling)
     if not query.is_cuda:
         return block_diagonal_attention(query, key, value, cu_seq_lens, scaling), None
-    max_length = int(kwargs.get("max_length_q") or cu_seq_lens.diff().max())
+    max_length = int(max_length or cu_seq_lens.diff().max())
     return varlen_attention(query, key, value, cu_seq_lens, max_length, scaling), None
 
 

@@ -111,7 +111,6 @@ def _plain(batch, **sft):
 LLAMA_LORA = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.05, "target_modules": "all-linear"}
 OSS_LORA = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.05, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
 OSS_FAST = {"attn_implementation": "flex_attention", "experts_implementation": "grouped_mm"}
-VARLEN_FLAGS = ["--packing", "true", "--attn_implementation", VARLEN_ATTENTION]
 
 
 def gpu_cases() -> list[Case]:
@@ -122,18 +121,24 @@ def gpu_cases() -> list[Case]:
             Variant("finetune", "recipe as shipped", "llama-3.2-1b/full.yaml"),
             Variant("finetune_fast", "recipe, batch 16", "llama-3.2-1b/full.yaml",
                     ["--per_device_train_batch_size", "16", "--gradient_accumulation_steps", "1"], profile=True),
-            Variant("finetune_compile", "recipe, batch 16, no liger, compiled decoder layers", "llama-3.2-1b/full.yaml",
-                    ["--per_device_train_batch_size", "16", "--gradient_accumulation_steps", "1",
-                     "--use_liger_kernel", "false"], compile_layers=True, extra=True),
+            Variant("finetune_compile", "recipe, batch 16, compiled decoder layers", "llama-3.2-1b/full.yaml",
+                    ["--per_device_train_batch_size", "16", "--gradient_accumulation_steps", "1"],
+                    compile_layers=True, extra=True),
+            Variant("finetune_compile_noliger", "recipe, batch 16, no liger, compiled decoder layers",
+                    "llama-3.2-1b/full.yaml", ["--per_device_train_batch_size", "16", "--gradient_accumulation_steps",
+                                               "1", "--use_liger_kernel", "false"], compile_layers=True, extra=True),
         ], target=">= 70k tok/s and >= 1.1x plain best"),
         Case("llama1b_chat", "Llama-3.2-1B full, chat rows 50-4,000 tokens (real tok/s)", "llama-3.2-1b", "full", "chat",
              4096, [
             Variant("plain_default", "padded, sdpa, batch 8", sft=_plain(8, max_length=4096)),
             Variant("plain_best", "TRL packing (BFD, padding-free), sdpa, liger, batch 4",
                     sft=_plain(4, max_length=4096, packing=True, use_liger_kernel=True)),
-            Variant("finetune", "recipe as shipped (padded)", "llama-3.2-1b/full.yaml", ["--max_length", "4096"]),
-            Variant("finetune_fast", "recipe + packing, padding-free, varlen attention, batch 4", "llama-3.2-1b/full.yaml",
-                    ["--max_length", "4096", "--per_device_train_batch_size", "4", *VARLEN_FLAGS], profile=True),
+            Variant("finetune", "recipe as shipped (packing, padding-free, varlen attention)", "llama-3.2-1b/full.yaml",
+                    ["--max_length", "4096"]),
+            Variant("finetune_fast", "recipe, batch 4", "llama-3.2-1b/full.yaml",
+                    ["--max_length", "4096", "--per_device_train_batch_size", "4"], profile=True),
+            Variant("finetune_compile", "recipe, compiled decoder layers", "llama-3.2-1b/full.yaml",
+                    ["--max_length", "4096"], compile_layers=True, extra=True),
             Variant("finetune_flex", "recipe + packing, padding-free, flex attention (document mask), batch 4",
                     "llama-3.2-1b/full.yaml", ["--max_length", "4096", "--per_device_train_batch_size", "4",
                                                "--packing", "true", "--attn_implementation", "flex_attention"],
@@ -142,7 +147,11 @@ def gpu_cases() -> list[Case]:
         Case("llama3b_lora", "Llama-3.2-3B LoRA r16 all-linear", "llama-3.2-3b", "lora", "fixed", 2048, [
             Variant("plain_default", "batch 8", sft=_plain(8), lora=LLAMA_LORA),
             Variant("plain_best", "liger, batch 8", sft=_plain(8, use_liger_kernel=True), lora=LLAMA_LORA),
-            Variant("finetune", "recipe as shipped (checkpointing on)", "llama-3.2-3b/lora.yaml"),
+            Variant("finetune", "recipe as shipped", "llama-3.2-3b/lora.yaml"),
+            Variant("finetune_nodropout", "recipe, lora_dropout 0", "llama-3.2-3b/lora.yaml", ["--lora_dropout", "0.0"],
+                    extra=True),
+            Variant("finetune_compile", "recipe, lora_dropout 0, compiled decoder layers", "llama-3.2-3b/lora.yaml",
+                    ["--lora_dropout", "0.0"], compile_layers=True, extra=True),
             Variant("finetune_fast", "recipe, no checkpointing, lora_dropout 0, batch 16", "llama-3.2-3b/lora.yaml",
                     ["--gradient_checkpointing", "false", "--lora_dropout", "0.0",
                      "--per_device_train_batch_size", "16", "--gradient_accumulation_steps", "1"], profile=True),
@@ -152,14 +161,12 @@ def gpu_cases() -> list[Case]:
                     sft=_plain(2), lora=OSS_LORA, model={"attn_implementation": "eager", "experts_implementation": "eager"}),
             Variant("plain_best", "attention LoRA; grouped_mm + flex, batch 4", sft=_plain(4), lora=OSS_LORA,
                     model=OSS_FAST),
-            Variant("finetune", "recipe as shipped (LoRA on attention + experts)", "gpt-oss-20b/lora.yaml"),
+            Variant("finetune", "recipe as shipped (LoRA on attention + experts, checkpointing)", "gpt-oss-20b/lora.yaml"),
             Variant("finetune_48g", "recipe, attention LoRA, checkpointing, batch 4 (<= 48 GiB)", "gpt-oss-20b/lora.yaml",
                     ["--gradient_checkpointing", "true"], unset=["lora_target_parameters"]),
             # profiled variants go last in their case: in the first GPU run memory stayed allocated after them
             Variant("finetune_attn", "recipe, LoRA on attention only", "gpt-oss-20b/lora.yaml",
                     unset=["lora_target_parameters"], profile=True),
-            Variant("finetune_48g_experts", "recipe (attention + experts LoRA), checkpointing, batch 4",
-                    "gpt-oss-20b/lora.yaml", ["--gradient_checkpointing", "true"], extra=True),
             Variant("finetune_compile", "recipe, attention LoRA, compiled decoder layers", "gpt-oss-20b/lora.yaml",
                     unset=["lora_target_parameters"], compile_layers=True, extra=True),
         ], target=">= 20k tok/s; >= 15k within 48 GiB", warmup=3, timed=5),
@@ -773,6 +780,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--cases", default="", help="comma-separated case keys to run (default: all)")
     parser.add_argument("--budget", type=float, default=0, help="seconds for the whole run; later variants are skipped")
     parser.add_argument("--no-extra", action="store_true", help="skip the extra (exploratory) variants")
+    parser.add_argument("--variants", default="", help="comma-separated variant keys to run (default: all)")
     parser.add_argument("--no-numerics", action="store_true")
     parser.add_argument("--smoke", action="store_true", help="GPU smoke test: real widths, 2 layers, 1+2 steps")
     parser.add_argument("--no-isolate", action="store_true",
@@ -793,13 +801,13 @@ def main(argv: list[str] | None = None) -> dict:
         args.no_extra = True  # compiled/flex variants are GPU explorations
     started = time.perf_counter()
     deadline = started + args.budget if args.budget else None
-    cases = tiny_cases() if args.tiny else gpu_cases()
+    cases = select_variants(tiny_cases() if args.tiny else gpu_cases(), args.variants, parser)
     if args.cases:
         by_key = {case.key: case for case in cases}
-        unknown = [key for key in args.cases.split(",") if key not in by_key]
+        unknown = [key for key in args.cases.split(",") if key not in {case.key for case in gpu_cases()}]
         if unknown:
             parser.error(f"unknown case {unknown[0]}; the cases are {', '.join(by_key)}")
-        cases = [by_key[key] for key in args.cases.split(",")]
+        cases = [by_key[key] for key in args.cases.split(",") if key in by_key]
     report = {"mode": "tiny CPU" if args.tiny else ("GPU smoke" if args.smoke else "GPU"),
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "versions": versions(),
               "argv": sys.argv, "cases": []}
@@ -863,6 +871,18 @@ def main(argv: list[str] | None = None) -> dict:
     return report
 
 
+def select_variants(cases: list[Case], keys: str, parser: argparse.ArgumentParser | None = None) -> list[Case]:
+    """The cases with only the variants named in `keys` (all when empty); cases left without a variant are dropped."""
+    if not keys:
+        return cases
+    wanted = set(keys.split(","))
+    known = {variant.key for case in cases for variant in case.variants}
+    if parser is not None and wanted - known:
+        parser.error(f"unknown variant {sorted(wanted - known)[0]}; the variants are {', '.join(sorted(known))}")
+    kept = [dataclasses.replace(case, variants=[v for v in case.variants if v.key in wanted]) for case in cases]
+    return [case for case in kept if case.variants]
+
+
 def _isolated_main(args, argv: list[str]) -> dict:
     """Run each case (its main variants, then the numerics check, then the extra variants) in a child process."""
     import subprocess
@@ -873,10 +893,11 @@ def _isolated_main(args, argv: list[str]) -> dict:
     deadline = started + args.budget if args.budget else None
     all_cases = tiny_cases() if args.tiny else gpu_cases()
     keys = args.cases.split(",") if args.cases else [case.key for case in all_cases]
-    cases = {case.key: case for case in all_cases}
+    cases = {case.key: case for case in select_variants(all_cases, args.variants)}
+    keys = [key for key in keys if key in cases]
     if args.tiny:
         args.no_extra = True
-    jobs = [(key, "main") for key in keys]
+    jobs = [(key, "main") for key in keys if any(not v.extra for v in cases[key].variants)]
     if not args.no_numerics:
         jobs.append(("", "numerics"))
     if not args.no_extra:
@@ -896,7 +917,8 @@ def _isolated_main(args, argv: list[str]) -> dict:
             continue
         part = out_dir / "parts" / f"{key or 'numerics'}-{phase}"
         command = [sys.executable, "-m", "finetune.bench", "--out", str(part), "--phase", phase, "--no-isolate",
-                   *passthrough, *(["--cases", key] if key else ["--cases", keys[0]])]
+                   *passthrough, *(["--cases", key] if key else ["--cases", keys[0]]),
+                   *(["--variants", args.variants] if args.variants else [])]
         if left is not None:
             command += ["--budget", str(int(left - 10))]
         print(f"[bench] {key or 'numerics'} ({phase}): {' '.join(command[1:])}", flush=True)
