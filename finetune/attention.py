@@ -82,11 +82,12 @@ def varlen_attention_forward(module, query, key, value, attention_mask, dropout=
         return sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling)
     documents = cu_seq_lens.shape[0] - 1
     max_length = kwargs.get("max_length_q")
-    if isinstance(max_length, int) and documents * max_length == query.shape[2]:  # no device sync: TRL's int
+    if not isinstance(max_length, int):  # TRL passes a Python int (symbolic under torch.compile); this syncs
+        max_length = int(cu_seq_lens.diff().max())
+    if documents * max_length == query.shape[2]:
         return equal_documents_attention(module, query, key, value, documents, dropout, scaling)
     if not query.is_cuda:
         return block_diagonal_attention(query, key, value, cu_seq_lens, scaling), None
-    max_length = int(max_length or cu_seq_lens.diff().max())
     return varlen_attention(query, key, value, cu_seq_lens, max_length, scaling), None
 
 

@@ -81,11 +81,9 @@ class Variant:
     label: str
     recipe: str | None = None  # finetune variants: recipes/<recipe>
     overrides: list[str] = field(default_factory=list)  # recipe flags
-    unset: list[str] = field(default_factory=list)  # RunConfig.model fields cleared after parsing
     sft: dict = field(default_factory=dict)  # plain variants: SFTConfig kwargs
     model: dict = field(default_factory=dict)  # plain variants: attn/experts implementation
     lora: dict | None = None  # plain variants: LoraConfig kwargs
-    compile_layers: bool = False  # torch.compile each decoder layer (regional compilation)
     profile: bool = False
     extra: bool = False  # run only when time is left after the main variants
 
@@ -111,6 +109,7 @@ def _plain(batch, **sft):
 LLAMA_LORA = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.05, "target_modules": "all-linear"}
 OSS_LORA = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.05, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
 OSS_FAST = {"attn_implementation": "flex_attention", "experts_implementation": "grouped_mm"}
+OSS_EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 
 def gpu_cases() -> list[Case]:
@@ -121,12 +120,9 @@ def gpu_cases() -> list[Case]:
             Variant("finetune", "recipe as shipped", "llama-3.2-1b/full.yaml"),
             Variant("finetune_fast", "recipe, batch 16", "llama-3.2-1b/full.yaml",
                     ["--per_device_train_batch_size", "16", "--gradient_accumulation_steps", "1"], profile=True),
-            Variant("finetune_compile", "recipe, batch 16, compiled decoder layers", "llama-3.2-1b/full.yaml",
-                    ["--per_device_train_batch_size", "16", "--gradient_accumulation_steps", "1"],
-                    compile_layers=True, extra=True),
-            Variant("finetune_compile_noliger", "recipe, batch 16, no liger, compiled decoder layers",
-                    "llama-3.2-1b/full.yaml", ["--per_device_train_batch_size", "16", "--gradient_accumulation_steps",
-                                               "1", "--use_liger_kernel", "false"], compile_layers=True, extra=True),
+            Variant("finetune_compile", "recipe, batch 16, no liger, torch_compile", "llama-3.2-1b/full.yaml",
+                    ["--per_device_train_batch_size", "16", "--gradient_accumulation_steps", "1",
+                     "--use_liger_kernel", "false", "--torch_compile", "true"], extra=True),
         ], target=">= 70k tok/s and >= 1.1x plain best"),
         Case("llama1b_chat", "Llama-3.2-1B full, chat rows 50-4,000 tokens (real tok/s)", "llama-3.2-1b", "full", "chat",
              4096, [
@@ -137,38 +133,36 @@ def gpu_cases() -> list[Case]:
                     ["--max_length", "4096"]),
             Variant("finetune_fast", "recipe, batch 4", "llama-3.2-1b/full.yaml",
                     ["--max_length", "4096", "--per_device_train_batch_size", "4"], profile=True),
-            Variant("finetune_compile", "recipe, compiled decoder layers", "llama-3.2-1b/full.yaml",
-                    ["--max_length", "4096"], compile_layers=True, extra=True),
-            Variant("finetune_flex", "recipe + packing, padding-free, flex attention (document mask), batch 4",
-                    "llama-3.2-1b/full.yaml", ["--max_length", "4096", "--per_device_train_batch_size", "4",
-                                               "--packing", "true", "--attn_implementation", "flex_attention"],
-                    extra=True),
         ], target=">= 57k real tok/s (0.9x fixed-length)"),
         Case("llama3b_lora", "Llama-3.2-3B LoRA r16 all-linear", "llama-3.2-3b", "lora", "fixed", 2048, [
             Variant("plain_default", "batch 8", sft=_plain(8), lora=LLAMA_LORA),
             Variant("plain_best", "liger, batch 8", sft=_plain(8, use_liger_kernel=True), lora=LLAMA_LORA),
-            Variant("finetune", "recipe as shipped", "llama-3.2-3b/lora.yaml"),
-            Variant("finetune_nodropout", "recipe, lora_dropout 0", "llama-3.2-3b/lora.yaml", ["--lora_dropout", "0.0"],
-                    extra=True),
-            Variant("finetune_compile", "recipe, lora_dropout 0, compiled decoder layers", "llama-3.2-3b/lora.yaml",
-                    ["--lora_dropout", "0.0"], compile_layers=True, extra=True),
-            Variant("finetune_fast", "recipe, no checkpointing, lora_dropout 0, batch 16", "llama-3.2-3b/lora.yaml",
-                    ["--gradient_checkpointing", "false", "--lora_dropout", "0.0",
-                     "--per_device_train_batch_size", "16", "--gradient_accumulation_steps", "1"], profile=True),
+            Variant("finetune", "recipe as shipped (torch_compile, lora_dropout 0)", "llama-3.2-3b/lora.yaml",
+                    profile=True),
+            Variant("finetune_liger", "recipe + liger", "llama-3.2-3b/lora.yaml", ["--use_liger_kernel", "true"]),
+            Variant("finetune_eager", "recipe without torch_compile", "llama-3.2-3b/lora.yaml",
+                    ["--torch_compile", "false"]),
         ], target=">= 32k tok/s (1.3x plain best) and faster than full"),
+        Case("llama3b_lora_chat", "Llama-3.2-3B LoRA, chat rows 50-1,950 tokens (real tok/s)", "llama-3.2-3b", "lora",
+             "chat", 2048, [
+            Variant("plain_best", "TRL packing (BFD, padding-free), sdpa, liger, batch 8",
+                    sft=_plain(8, packing=True, use_liger_kernel=True), lora=LLAMA_LORA),
+            Variant("finetune", "recipe as shipped (packing, varlen attention, torch_compile)", "llama-3.2-3b/lora.yaml"),
+            Variant("finetune_eager", "recipe without torch_compile", "llama-3.2-3b/lora.yaml",
+                    ["--torch_compile", "false"]),
+        ], target="the recipe's defaults pay on real data too", warmup=12, timed=8),
         Case("gptoss20b_lora", "GPT-OSS-20B LoRA r16", "gpt-oss-20b", "lora", "fixed", 2048, [
             Variant("plain_default", "attention LoRA; eager attention, eager experts, batch 2",
                     sft=_plain(2), lora=OSS_LORA, model={"attn_implementation": "eager", "experts_implementation": "eager"}),
             Variant("plain_best", "attention LoRA; grouped_mm + flex, batch 4", sft=_plain(4), lora=OSS_LORA,
                     model=OSS_FAST),
-            Variant("finetune", "recipe as shipped (LoRA on attention + experts, checkpointing)", "gpt-oss-20b/lora.yaml"),
-            Variant("finetune_48g", "recipe, attention LoRA, checkpointing, batch 4 (<= 48 GiB)", "gpt-oss-20b/lora.yaml",
-                    ["--gradient_checkpointing", "true"], unset=["lora_target_parameters"]),
+            Variant("finetune", "recipe as shipped (attention LoRA, torch_compile)", "gpt-oss-20b/lora.yaml"),
+            Variant("finetune_48g", "recipe + checkpointing (<= 48 GiB)", "gpt-oss-20b/lora.yaml",
+                    ["--gradient_checkpointing", "true"]),
             # profiled variants go last in their case: in the first GPU run memory stayed allocated after them
-            Variant("finetune_attn", "recipe, LoRA on attention only", "gpt-oss-20b/lora.yaml",
-                    unset=["lora_target_parameters"], profile=True),
-            Variant("finetune_compile", "recipe, attention LoRA, compiled decoder layers", "gpt-oss-20b/lora.yaml",
-                    unset=["lora_target_parameters"], compile_layers=True, extra=True),
+            Variant("finetune_experts", "recipe + LoRA on the experts (lora_target_parameters), checkpointing",
+                    "gpt-oss-20b/lora.yaml", ["--gradient_checkpointing", "true", "--lora_target_parameters",
+                                              *OSS_EXPERT_PARAMETERS]),
         ], target=">= 20k tok/s; >= 15k within 48 GiB", warmup=3, timed=5),
         Case("llama3b_full", "Llama-3.2-3B full", "llama-3.2-3b", "full", "fixed", 2048, [
             Variant("plain_default", "sdpa, batch 4", sft=_plain(4)),
@@ -196,7 +190,6 @@ def tiny_cases() -> list[Case]:
         case = dataclasses.replace(case, seq=seq, warmup=1, timed=2)
         for variant in case.variants:
             variant.profile = False
-            variant.compile_layers = False
             variant.sft = {k: (seq if k == "max_length" else v) for k, v in variant.sft.items()}
             variant.sft["per_device_train_batch_size"] = min(variant.sft.get("per_device_train_batch_size", 2), 4)
             flags = list(variant.overrides)
@@ -331,14 +324,6 @@ def isolated_patches():
                         continue
                     with contextlib.suppress(AttributeError, TypeError):
                         setattr(cls, attribute, value)
-
-
-def compile_decoder_layers(model) -> int:
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    layers = base.model.layers
-    for layer in layers:
-        layer.compile()
-    return len(layers)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -488,10 +473,7 @@ def finetune_run_config(variant: Variant, steps: int, output_dir: str, seq: int,
         argv += ["--max_length", str(seq)]
     if tiny:
         argv.append("--tiny")
-    run = parse_args(argv)
-    for name in variant.unset:
-        setattr(run.model, name, None)
-    return run, argv
+    return parse_args(argv), argv
 
 
 def plain_sft_config(variant: Variant, steps: int, output_dir: str, seq: int, tiny: bool):
@@ -529,8 +511,7 @@ def run_variant(case: Case, variant: Variant, out_dir: Path, tiny: bool) -> dict
         training = run.training
         shown = [f"recipes/{variant.recipe}" if a.startswith(str(RECIPES)) else a for a in argv]
         shown = [f"outputs/bench-{case.key}-{variant.key}" if a == output_dir else a for a in shown]
-        result["command"] = "scripts/sft.py " + " ".join(shown) + "".join(
-            f"  # and {name}: null" for name in variant.unset)
+        result["command"] = "scripts/sft.py " + " ".join(shown)
     else:
         run = None
         training = plain_sft_config(variant, steps, output_dir, case.seq, tiny)
@@ -562,7 +543,7 @@ def run_variant(case: Case, variant: Variant, out_dir: Path, tiny: bool) -> dict
             "target_modules": sorted(peft_config.target_modules) if isinstance(peft_config.target_modules, set)
             else peft_config.target_modules,
             "target_parameters": getattr(peft_config, "target_parameters", None)},
-        "compile_layers": variant.compile_layers,
+        "torch_compile": training.torch_compile,
     }
 
     baseline = 0
@@ -583,13 +564,15 @@ def run_variant(case: Case, variant: Variant, out_dir: Path, tiny: bool) -> dict
 
         trainer = SFTTrainer(model=model, args=training, train_dataset=dataset, processing_class=tokenizer,
                              peft_config=peft_config)
-    if variant.compile_layers:
-        result["compiled_layers"] = compile_decoder_layers(trainer.model)
     profile_path = out_dir / f"profile_{case.key}_{variant.key}.json" if variant.profile else None
     timer = StepTimer(trainer, warmup, timed, profile_steps, profile_path)
     trainer.add_callback(timer.callback)
     fpt = flops_per_token(trainer.model, config, case.method, case.seq)
+    from torch._dynamo.utils import counters
+
+    graphs_before = counters["stats"]["unique_graphs"]
     trainer.train()
+    result["compiled_graphs"] = counters["stats"]["unique_graphs"] - graphs_before
     result.update(timer.summary())
     result["setup_s"] = round(time.perf_counter() - start - sum(t for t, _ in timer.steps), 1)
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
@@ -707,22 +690,24 @@ def markdown(report: dict) -> str:
     lines = [f"# Benchmark: plain TRL vs finetune recipes ({report['mode']})", "",
              f"Date: {report['date']}. " + ", ".join(f"{k} {v}" for k, v in report["versions"].items()) + ".", "",
              "| case | plain TRL default | plain TRL best | finetune (recipe as shipped) | finetune fast | "
-             "fast / best | fast / default | target |",
-             "|---|---|---|---|---|---|---|---|"]
+             "recipe / best | fast / best | fast / default | target |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for case in report["cases"]:
         results = {r["variant"]: r for r in case["results"]}
         best_fast = max((r for r in case["results"] if r["variant"].startswith("finetune") and "error" not in r
-                         and r["variant"] != "finetune_48g" and not r["variant"].startswith("finetune_48g")),
+                         and not r["variant"].startswith("finetune_48g")),
                         key=lambda r: r["tokens_per_s"], default=None)
         plain_best = results.get("plain_best", {}).get("tokens_per_s")
         plain_default = results.get("plain_default", {}).get("tokens_per_s")
         fast = best_fast["tokens_per_s"] if best_fast else None
         fast_cell = f"{_throughput_cell(best_fast)} ({best_fast['variant']})" if best_fast else "—"
         ratio_best = f"{fast / plain_best:.2f}x" if fast and plain_best else "—"
+        recipe = results.get("finetune", {}).get("tokens_per_s")
+        ratio_recipe = f"{recipe / plain_best:.2f}x" if recipe and plain_best else "—"
         ratio_default = f"{fast / plain_default:.2f}x" if fast and plain_default else "—"
         plain_cells = " | ".join(_throughput_cell(results.get(variant))
                                  for variant in ("plain_default", "plain_best", "finetune"))
-        lines.append(f"| {case['title']} | {plain_cells} | {fast_cell} | {ratio_best} | {ratio_default} | "
+        lines.append(f"| {case['title']} | {plain_cells} | {fast_cell} | {ratio_recipe} | {ratio_best} | {ratio_default} | "
                      f"{case['target']} |")
     lines += ["", "## Every variant", "",
               "| case | variant | settings | tokens/s | MFU | peak GiB | loss first → last | step s |",
@@ -872,14 +857,17 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def select_variants(cases: list[Case], keys: str, parser: argparse.ArgumentParser | None = None) -> list[Case]:
-    """The cases with only the variants named in `keys` (all when empty); cases left without a variant are dropped."""
+    """The cases with only the variants named in `keys`, as `variant` (in every case) or `case:variant` (all when
+    empty); cases left without a variant are dropped."""
     if not keys:
         return cases
     wanted = set(keys.split(","))
     known = {variant.key for case in cases for variant in case.variants}
-    if parser is not None and wanted - known:
-        parser.error(f"unknown variant {sorted(wanted - known)[0]}; the variants are {', '.join(sorted(known))}")
-    kept = [dataclasses.replace(case, variants=[v for v in case.variants if v.key in wanted]) for case in cases]
+    if parser is not None and {key.split(":")[-1] for key in wanted} - known:
+        unknown = sorted({key.split(":")[-1] for key in wanted} - known)[0]
+        parser.error(f"unknown variant {unknown}; the variants are {', '.join(sorted(known))}")
+    kept = [dataclasses.replace(case, variants=[v for v in case.variants if {v.key, f"{case.key}:{v.key}"} & wanted])
+            for case in cases]
     return [case for case in kept if case.variants]
 
 

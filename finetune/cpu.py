@@ -23,7 +23,9 @@ def on_cpu() -> bool:
 
 def cpu_overrides(values: dict) -> dict:
     """The recipe values to replace on CPU: float32 training, no GPU-only kernels."""
-    overrides = {"use_cpu": True, "bf16": False, "fp16": False, "dtype": "float32", "use_liger_kernel": False}
+    # torch_compile off too: inductor's C++ build takes minutes on a small CPU and tiny models gain nothing from it
+    overrides = {"use_cpu": True, "bf16": False, "fp16": False, "dtype": "float32", "use_liger_kernel": False,
+                 "torch_compile": False}
     if values.get("attn_implementation") in CPU_ATTENTION:
         overrides["attn_implementation"] = CPU_ATTENTION[values["attn_implementation"]]
     if values.get("experts_implementation") in CPU_EXPERTS:

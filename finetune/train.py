@@ -88,8 +88,15 @@ class SetupCheck(TrainerCallback):
             )
 
 
+REGIONAL_COMPILATION = "ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION"
+
+
 def build_trainer(run: RunConfig, model: PreTrainedModel, tokenizer, train_set, eval_set) -> SFTTrainer:
     model_loading.fix_generation_config(model, tokenizer)
+    if run.training.torch_compile:
+        # accelerate then compiles the decoder layer once and reuses it for every layer (not the whole model: minutes
+        # less compiling, LM head and loss stay as TRL wrote them); an accelerate config's dynamo_config still decides
+        os.environ.setdefault(REGIONAL_COMPILATION, "true")
     trainer = SFTTrainer(
         model=model,
         args=run.training,
