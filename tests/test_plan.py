@@ -147,6 +147,18 @@ def test_moe_weights_count_every_expert_but_activations_only_the_active_ones():
         P.layer_activation_bytes_per_token(a, s) - 4 * (a.experts - fewer.experts))  # only the router's logits
 
 
+def test_compiled_gpt_oss_plan_matches_the_h200_with_and_without_checkpointing():
+    """Fitted to the run without checkpointing (60.6 GiB); the checkpointed run (41.6 GiB) is the independent check."""
+    a = P.load_architecture("gpt-oss-20b")
+    s = P.setup_from_recipe(P.read_recipe(ROOT / "recipes/gpt-oss-20b/lora.yaml"))
+    assert s.torch_compile and not s.lora_target_parameters and s.batch == 4 and s.max_length == 2048
+    for checkpointing, measured_gib in ((False, 60.6), (True, 41.6)):
+        planned = P.estimate(a, replace(s, gradient_checkpointing=checkpointing), "ddp", 1).allocated / GIB
+        assert planned == pytest.approx(measured_gib, rel=0.03), (checkpointing, planned)
+    eager = P.estimate(a, replace(s, torch_compile=False), "ddp", 1).allocated / GIB
+    assert eager == pytest.approx(84.2, rel=0.03)  # plain TRL, same settings, not compiled
+
+
 def test_the_planner_never_imports_torch_or_transformers():
     probe = "import sys, finetune.plan; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
