@@ -147,10 +147,11 @@ def gpu_cases() -> list[Case]:
         Case("llama3b_lora_chat", "Llama-3.2-3B LoRA, chat rows 50-1,950 tokens (real tok/s)", "llama-3.2-3b", "lora",
              "chat", 2048, [
             Variant("plain_best", "TRL packing (BFD, padding-free), sdpa, liger, batch 8",
-                    sft=_plain(8, packing=True, use_liger_kernel=True), lora=LLAMA_LORA),
-            Variant("finetune", "recipe as shipped (packing, varlen attention, torch_compile)", "llama-3.2-3b/lora.yaml"),
+                    sft=_plain(8, packing=True, use_liger_kernel=True), lora=LLAMA_LORA, extra=True),
+            Variant("finetune", "recipe as shipped (packing, varlen attention, torch_compile)", "llama-3.2-3b/lora.yaml",
+                    extra=True),
             Variant("finetune_eager", "recipe without torch_compile", "llama-3.2-3b/lora.yaml",
-                    ["--torch_compile", "false"]),
+                    ["--torch_compile", "false"], extra=True),
         ], target="the recipe's defaults pay on real data too", warmup=12, timed=8),
         Case("gptoss20b_lora", "GPT-OSS-20B LoRA r16", "gpt-oss-20b", "lora", "fixed", 2048, [
             Variant("plain_default", "attention LoRA; eager attention, eager experts, batch 2",
