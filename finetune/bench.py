@@ -888,8 +888,35 @@ def select_variants(cases: list[Case], keys: str, parser: argparse.ArgumentParse
     return [case for case in kept if case.variants]
 
 
+def compiles(variant: Variant) -> bool:
+    """Whether the variant trains under torch.compile (its flags, else its recipe)."""
+    if variant.sft.get("torch_compile"):
+        return True
+    if not variant.recipe:
+        return False
+    if "--torch_compile" in variant.overrides:
+        return variant.overrides[variant.overrides.index("--torch_compile") + 1] == "true"
+    import yaml
+
+    return bool(yaml.safe_load((RECIPES / variant.recipe).read_text()).get("torch_compile"))
+
+
+def process_groups(variants: list[Variant], extra: bool) -> list[list[Variant]]:
+    """The main (or extra) variants in the groups that share a child process. A compiled variant gets one of its
+    own: on the H200 (torch 2.11) a second compiled GPT-OSS in one process failed with dynamo's NameError
+    `__compiled_fn_...`, and the memory of the failed run stayed allocated for every later variant."""
+    groups: list[list[Variant]] = []
+    shared: list[Variant] = []
+    for variant in (v for v in variants if v.extra == extra):
+        if compiles(variant):
+            groups.append([variant])
+        else:
+            shared.append(variant)
+    return ([shared] if shared else []) + groups
+
+
 def _isolated_main(args, argv: list[str]) -> dict:
-    """Run each case (its main variants, then the numerics check, then the extra variants) in a child process."""
+    """Run each case's variants in child processes (process_groups): main variants, the numerics check, extras."""
     import subprocess
 
     out_dir = Path(args.out)
@@ -902,28 +929,27 @@ def _isolated_main(args, argv: list[str]) -> dict:
     keys = [key for key in keys if key in cases]
     if args.tiny:
         args.no_extra = True
-    jobs = [(key, "main") for key in keys if any(not v.extra for v in cases[key].variants)]
+    jobs = [(key, "main", group) for key in keys for group in process_groups(cases[key].variants, extra=False)]
     if not args.no_numerics:
-        jobs.append(("", "numerics"))
+        jobs.append(("", "numerics", []))
     if not args.no_extra:
-        jobs += [(key, "extra") for key in keys if any(v.extra for v in cases[key].variants)]
+        jobs += [(key, "extra", group) for key in keys for group in process_groups(cases[key].variants, extra=True)]
     report = {"mode": "tiny CPU" if args.tiny else ("GPU smoke" if args.smoke else "GPU"), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "versions": {}, "argv": sys.argv, "cases": []}
     entries = {key: {"key": key, "title": cases[key].title, "target": cases[key].target, "results": []} for key in keys}
     report["cases"] = list(entries.values())
     passthrough = [a for a in ("--smoke", "--tiny") if getattr(args, a[2:])]
-    for key, phase in jobs:
+    for number, (key, phase, group) in enumerate(jobs):
         left = None if deadline is None else deadline - time.perf_counter()
-        wanted = [v for v in cases[key].variants if v.extra == (phase == "extra")] if key else []
         if left is not None and left < 45:
-            for variant in wanted:
+            for variant in group:
                 entries[key]["results"].append({"variant": variant.key, "label": variant.label,
                                                 "error": "skipped: benchmark time budget spent"})
             continue
-        part = out_dir / "parts" / f"{key or 'numerics'}-{phase}"
+        part = out_dir / "parts" / f"{number:02d}-{key or 'numerics'}-{phase}"
+        selection = ",".join(f"{key}:{variant.key}" for variant in group)
         command = [sys.executable, "-m", "finetune.bench", "--out", str(part), "--phase", phase, "--no-isolate",
-                   *passthrough, *(["--cases", key] if key else ["--cases", keys[0]]),
-                   *(["--variants", args.variants] if args.variants else [])]
+                   *passthrough, "--cases", key or keys[0], *(["--variants", selection] if selection else [])]
         if left is not None:
             command += ["--budget", str(int(left - 10))]
         print(f"[bench] {key or 'numerics'} ({phase}): {' '.join(command[1:])}", flush=True)
@@ -941,7 +967,7 @@ def _isolated_main(args, argv: list[str]) -> dict:
             report["numerics"] = child.get("numerics") or {"error": f"numerics child exited with {rc}"}
         else:
             done = {r["variant"]: r for c in child.get("cases", []) for r in c["results"]}
-            for variant in wanted:
+            for variant in group:
                 entries[key]["results"].append(done.get(variant.key) or {
                     "case": key, "variant": variant.key, "label": variant.label,
                     "error": f"case process exited with {rc} before this variant finished"})

@@ -43,3 +43,17 @@ def test_tiny_bench_writes_every_case(tmp_path):
     assert "error" not in numerics, numerics
     assert numerics["max_rel_diff"] < 0.02 and numerics["passed"]
     assert "Numerics check" in table
+
+
+def test_every_compiled_variant_gets_a_process_of_its_own():
+    from finetune.bench import compiles, gpu_cases, process_groups
+
+    for case in gpu_cases():
+        for extra in (False, True):
+            groups = process_groups(case.variants, extra)
+            grouped = sorted(variant.key for group in groups for variant in group)
+            assert grouped == sorted(variant.key for variant in case.variants if variant.extra == extra)
+            for group in groups:
+                assert len(group) == 1 or not any(compiles(variant) for variant in group), (case.key, group)
+    lora = {variant.key: variant for variant in next(c for c in gpu_cases() if c.key == "llama3b_lora").variants}
+    assert compiles(lora["finetune"]) and not compiles(lora["finetune_eager"]) and not compiles(lora["plain_best"])
