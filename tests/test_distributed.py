@@ -60,6 +60,8 @@ COMPARABLE = [
 ]
 # No dropout; LoRA needs a larger step to move in 4 steps; activation checkpointing on (FSDP2 + checkpointing + LoRA).
 LORA = ["--lora_dropout", "0", "--learning_rate", "1e-2", "--gradient_checkpointing", "true"]
+# the recipe adapts the attention only; the experts' 3-D parameters are what sharding can get wrong, so adapt them too
+EXPERT_LORA = ["--lora_target_parameters", "mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 
 def per_config(configs: list[str]) -> list:
@@ -221,7 +223,8 @@ class Runs:
     def gpt_oss_lora(self, config: str | None) -> Run:
         processes = 2 if config else 1
         return self.get(f"gpt-oss-lora-{config or 'single'}", lambda out: run_sft(
-            config, "gpt-oss-20b/lora", out, *COMPARABLE, *LORA, *batch_flags(processes), "--max_steps", str(STEPS),
+            config, "gpt-oss-20b/lora", out, *COMPARABLE, *LORA, *EXPERT_LORA, *batch_flags(processes),
+            "--max_steps", str(STEPS),
             processes=processes))
 
 
