@@ -903,8 +903,8 @@ def compiles(variant: Variant) -> bool:
 
 def process_groups(variants: list[Variant], extra: bool) -> list[list[Variant]]:
     """The main (or extra) variants in the groups that share a child process. A compiled variant gets one of its
-    own: on the H200 (torch 2.11) a second compiled GPT-OSS in one process failed with dynamo's NameError
-    `__compiled_fn_...`, and the memory of the failed run stayed allocated for every later variant."""
+    own: a second compiled GPT-OSS in one process fails with dynamo's NameError `__compiled_fn_...` (H200 with
+    torch 2.11, and CPU with 2.13), and on the GPU the failed run's memory stayed allocated for every later variant."""
     groups: list[list[Variant]] = []
     shared: list[Variant] = []
     for variant in (v for v in variants if v.extra == extra):

@@ -149,3 +149,15 @@ adapted = PeftModel.from_pretrained(base, adapter_dir)(ids).logits
 merged = AutoModelForCausalLM.from_pretrained(merged_dir)(ids).logits
 print(float((adapted - merged).abs().max()), float((adapted - base_logits).abs().max()))
 """
+
+
+def test_the_compiled_gpt_oss_recipe_trains_with_checkpointing_on(tmp_path, monkeypatch):
+    """The GPT-OSS recipe's setting for cards under 64 GB: accelerate's regional torch.compile of the decoder layers
+    under activation checkpointing. On CPU the recipe's torch_compile is switched off, so the flag asks for it."""
+    monkeypatch.setenv("TORCH_LOGS", "guards")  # one GUARDS block per frame dynamo compiled
+    result = launch_sft("--config", str(ROOT / "recipes" / "gpt-oss-20b" / "lora.yaml"), "--tiny",
+                        "--gradient_checkpointing", "true", "--torch_compile", "true", "--max_steps", "3",
+                        "--logging_steps", "1", "--eval_strategy", "no", "--output_dir", str(tmp_path / "out"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "[__guards] GUARDS:" in result.stderr, "nothing was compiled"
+    assert len(printed_losses(result.stdout)) == 3
