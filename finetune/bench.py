@@ -594,6 +594,9 @@ def run_variant(case: Case, variant: Variant, out_dir: Path, tiny: bool) -> dict
 
 
 def release_memory():
+    # dynamo's caches of the last model go too: without this a second compiled GPT-OSS in one process fails with
+    # NameError `__compiled_fn_...` (H200, torch 2.11; reproduced on CPU with torch 2.13)
+    torch._dynamo.reset()
     if torch.cuda.is_available():  # on the CPU (tiny mode) the models are small: skip the slow full collection
         gc.collect()
         torch.cuda.empty_cache()

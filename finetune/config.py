@@ -165,7 +165,8 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
         parser.set_defaults(**recipe)
     if cpu.on_cpu():
         cpu.prepare_cpu_process_group()
-        parser.set_defaults(**cpu.cpu_overrides(recipe))
+        given = _flags_given(argv)  # a flag on the command line still wins over the CPU's value
+        parser.set_defaults(**cpu.cpu_overrides({key: value for key, value in recipe.items() if key not in given}))
 
     unknown = [arg for arg in argv if arg.startswith("--") and arg[2:].split("=", 1)[0] not in _known_dests(parser)]
     if unknown:

@@ -135,3 +135,16 @@ def test_qlora_under_a_sharding_config_is_refused_by_the_real_launcher(tmp_path)
     assert "error: " in result.stderr and "fsdp.yaml: QLoRA's 4-bit weights cannot be sharded by FSDP" in result.stderr
     assert "accelerate_configs/ddp.yaml" in result.stderr
     assert "Loading weights" not in result.stderr + result.stdout
+
+
+def test_on_cpu_the_recipe_compiles_nothing_unless_the_command_line_asks_and_the_warning_says_which(caplog):
+    from finetune.config import parse_args
+
+    recipe = str(ROOT / "recipes" / "gpt-oss-20b" / "lora.yaml")
+    with caplog.at_level("WARNING", logger="finetune.cpu"):
+        assert not parse_args(["--config", recipe, "--tiny"]).training.torch_compile
+    assert "'torch_compile': False" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="finetune.cpu"):
+        assert parse_args(["--config", recipe, "--tiny", "--torch_compile", "true"]).training.torch_compile
+    assert "No GPU" in caplog.text and "torch_compile" not in caplog.text
