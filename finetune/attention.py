@@ -32,18 +32,17 @@ _KERNEL, _KERNEL_PARAMETERS = _varlen_kernel()
 
 def varlen_attention(query, key, value, cu_seq_lens, max_length: int, scaling: float | None) -> torch.Tensor:
     """(1, heads, tokens, dim) tensors of one packed row -> (1, tokens, heads, dim), causal within each document."""
-    kernel, parameters = _KERNEL, _KERNEL_PARAMETERS
     q, k, v = (tensor[0].transpose(0, 1) for tensor in (query, key, value))
     groups = q.shape[1] // k.shape[1]
-    kwargs = {"window_size": (-1, 0)} if "window_size" in parameters else {"is_causal": True}
-    if groups > 1 and "enable_gqa" in parameters:
+    kwargs = {"window_size": (-1, 0)} if "window_size" in _KERNEL_PARAMETERS else {"is_causal": True}
+    if groups > 1 and "enable_gqa" in _KERNEL_PARAMETERS:
         kwargs["enable_gqa"] = True
     elif groups > 1:  # older kernels want as many key/value heads as query heads
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    if scaling is not None and "scale" in parameters:
+    if scaling is not None and "scale" in _KERNEL_PARAMETERS:
         kwargs["scale"] = scaling
     cu = cu_seq_lens.to(device=q.device, dtype=torch.int32)
-    out = kernel(q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, max_length, max_length, **kwargs)
+    out = _KERNEL(q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, max_length, max_length, **kwargs)
     return (out[0] if isinstance(out, tuple) else out).unsqueeze(0)
 
 

@@ -612,10 +612,10 @@ def numerics_check(out_dir: Path, tiny: bool, steps: int = 20) -> dict:
     attention, liger kernels, fused AdamW) and, on a GPU, the compiled path of the LoRA and GPT-OSS recipes (the fast
     path with torch_compile's regional compilation instead of liger). Returns the loss curves and each path's largest
     relative difference from the plain one."""
-    from finetune.train import REGIONAL_COMPILATION
     from trl import SFTConfig, SFTTrainer
 
     from finetune import tiny as tiny_models
+    from finetune.train import compile_per_layer
 
     tokenizer = tiny_models.build_tiny_tokenizer("llama")
     config = architecture("llama-3.2-1b", tiny, tokenizer)
@@ -630,7 +630,6 @@ def numerics_check(out_dir: Path, tiny: bool, steps: int = 20) -> dict:
         "fast": ({"optim": "adamw_torch_fused", "padding_free": True, "use_liger_kernel": True}, VARLEN_ATTENTION),
     }
     if not tiny:
-        os.environ.setdefault(REGIONAL_COMPILATION, "true")
         paths["compiled"] = ({"optim": "adamw_torch_fused", "padding_free": True, "torch_compile": True},
                              VARLEN_ATTENTION)
     for name, (extra, attn) in paths.items():
@@ -643,7 +642,9 @@ def numerics_check(out_dir: Path, tiny: bool, steps: int = 20) -> dict:
                 kwargs.update(use_cpu=True, use_liger_kernel=False, optim="adamw_torch")
             model = build_model(config, attn, None, torch.float32 if tiny else torch.bfloat16,
                                 "cpu" if tiny else "cuda", seed=0)
-            trainer = SFTTrainer(model=model, args=SFTConfig(**kwargs), train_dataset=make_dataset(rows),
+            training = SFTConfig(**kwargs)
+            compile_per_layer(training)
+            trainer = SFTTrainer(model=model, args=training, train_dataset=make_dataset(rows),
                                  processing_class=tokenizer)
             trainer.train()
             curves[name] = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
@@ -899,9 +900,9 @@ def compiles(variant: Variant) -> bool:
         return False
     if "--torch_compile" in variant.overrides:
         return variant.overrides[variant.overrides.index("--torch_compile") + 1] == "true"
-    import yaml
+    from finetune.plan import read_recipe
 
-    return bool(yaml.safe_load((RECIPES / variant.recipe).read_text()).get("torch_compile"))
+    return bool(read_recipe(RECIPES / variant.recipe).get("torch_compile"))
 
 
 def process_groups(variants: list[Variant], extra: bool) -> list[list[Variant]]:

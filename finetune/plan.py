@@ -345,6 +345,7 @@ def optimizer_bytes_per_param(s: Setup, param_bytes: int) -> float:
 # 60.6 GiB peak against 83.1 GiB planned for eager, which eager measured at 84.2; docs/benchmarks.md).
 COMPILED_EXPERT_SAVED_FRACTION = 0.18
 
+
 def layer_activation_bytes_per_token(a: Architecture, s: Setup) -> float:
     """Bytes a decoder layer saves for backward, per token, without checkpointing.
 

@@ -88,15 +88,17 @@ class SetupCheck(TrainerCallback):
             )
 
 
-REGIONAL_COMPILATION = "ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION"
+def compile_per_layer(training) -> None:
+    """With torch_compile, accelerate compiles the decoder layer once and reuses it for every layer (not the whole
+    model: minutes less compiling, LM head and loss stay as TRL wrote them); an accelerate config's dynamo_config
+    still decides. Call before the trainer is built: its accelerator reads this then."""
+    if training.torch_compile:
+        os.environ.setdefault("ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION", "true")
 
 
 def build_trainer(run: RunConfig, model: PreTrainedModel, tokenizer, train_set, eval_set) -> SFTTrainer:
     model_loading.fix_generation_config(model, tokenizer)
-    if run.training.torch_compile:
-        # accelerate then compiles the decoder layer once and reuses it for every layer (not the whole model: minutes
-        # less compiling, LM head and loss stay as TRL wrote them); an accelerate config's dynamo_config still decides
-        os.environ.setdefault(REGIONAL_COMPILATION, "true")
+    compile_per_layer(run.training)
     trainer = SFTTrainer(
         model=model,
         args=run.training,

@@ -6,9 +6,9 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 from conftest import ROOT, launch_sft, printed_losses, printed_setup
+from finetune.plan import read_recipe
 
 RECIPES = sorted(ROOT.glob("recipes/*/*.yaml"))
 
@@ -70,7 +70,7 @@ def test_every_recipe_trains_tiny_on_cpu_and_its_output_reloads_in_a_fresh_proce
     assert report["trained"] and report["chat_template"] and report["stops_at_eos"]
     if "lora" in recipe.stem:
         assert report["kind"] == "adapter" and report["adapted_tensors"] > 0
-        if "lora_target_parameters" in yaml.safe_load(recipe.read_text()):
+        if "lora_target_parameters" in read_recipe(recipe):
             assert report["expert_adapters"] > 0, "the recipe adapts the experts through target_parameters"
         else:
             assert report["expert_adapters"] == 0
