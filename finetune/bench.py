@@ -143,6 +143,8 @@ def gpu_cases() -> list[Case]:
                     extra=True),
             Variant("finetune_eager", "recipe without torch_compile", "llama-3.2-3b/lora.yaml",
                     ["--torch_compile", "false"], extra=True),
+            Variant("finetune_b16", "recipe, batch 16", "llama-3.2-3b/lora.yaml",
+                    ["--per_device_train_batch_size", "16", "--gradient_accumulation_steps", "1"], extra=True),
         ], target=">= 32k tok/s (1.3x plain best) and faster than full"),
         Case("llama3b_lora_chat", "Llama-3.2-3B LoRA, chat rows 50-1,950 tokens (real tok/s)", "llama-3.2-3b", "lora",
              "chat", 2048, [

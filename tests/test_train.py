@@ -152,8 +152,8 @@ print(float((adapted - merged).abs().max()), float((adapted - base_logits).abs()
 
 
 def test_the_compiled_gpt_oss_recipe_trains_with_checkpointing_on(tmp_path, monkeypatch):
-    """The GPT-OSS recipe's setting for cards under 64 GB: accelerate's regional torch.compile of the decoder layers
-    under activation checkpointing. On CPU the recipe's torch_compile is switched off, so the flag asks for it."""
+    """The GPT-OSS recipe's setting for cards under 64 GB: torch.compile of the decoder layers inside their
+    activation checkpoints. On CPU the recipe's torch_compile is switched off, so the flag asks for it."""
     monkeypatch.setenv("TORCH_LOGS", "guards")  # one GUARDS block per frame dynamo compiled
     result = launch_sft("--config", str(ROOT / "recipes" / "gpt-oss-20b" / "lora.yaml"), "--tiny",
                         "--gradient_checkpointing", "true", "--torch_compile", "true", "--max_steps", "3",
@@ -161,3 +161,48 @@ def test_the_compiled_gpt_oss_recipe_trains_with_checkpointing_on(tmp_path, monk
     assert result.returncode == 0, result.stderr[-3000:]
     assert "[__guards] GUARDS:" in result.stderr, "nothing was compiled"
     assert len(printed_losses(result.stdout)) == 3
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt_oss"])
+def test_under_checkpointing_a_layer_with_a_graph_break_is_still_compiled_once_for_all_layers(family, monkeypatch):
+    """Compiled around a checkpoint, a layer with one graph break runs wholly eager (pytorch#139989); compiled inside
+    it, the layer's pieces around the break are compiled once and reused by every layer, with the eager gradients."""
+    import torch
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from finetune.train import CompileInsideCheckpoints
+
+    shape = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 12, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "head_dim": 8, "vocab_size": 128}
+    if family == "gpt_oss":
+        shape.update(num_local_experts=4, experts_per_token=2, layer_types=["sliding_attention", "full_attention"] * 6,
+                     sliding_window=8)
+    config = AutoConfig.for_model(family, **shape)
+    mlp_class = type(AutoModelForCausalLM.from_config(config).model.layers[0].mlp)
+    forward_without_break = mlp_class.forward
+
+    def forward_with_break(self, *args, **kwargs):
+        torch._dynamo.graph_break()
+        return forward_without_break(self, *args, **kwargs)
+
+    monkeypatch.setattr(mlp_class, "forward", forward_with_break)
+    ids = torch.randint(0, shape["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(0))
+    gradients = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+        model.train()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        counter = CompileCounterWithBackend("eager")
+        if compiled:
+            CompileInsideCheckpoints(counter, None).on_train_begin(None, None, None, model=model)
+        for _ in range(2):
+            model.zero_grad()
+            model(input_ids=ids, labels=ids).loss.backward()
+        gradients.append([parameter.grad for parameter in model.parameters()])
+    torch._dynamo.reset()
+    assert 0 < counter.frame_count < shape["num_hidden_layers"], "the layer's frames should compile once, not per layer"
+    assert counter.op_count > 10 * 2, "the compiled graphs should hold the layer's work"
+    for eager, compiled in zip(*gradients):
+        torch.testing.assert_close(compiled, eager)
