@@ -645,9 +645,8 @@ def numerics_check(out_dir: Path, tiny: bool, steps: int = 20) -> dict:
             model = build_model(config, attn, None, torch.float32 if tiny else torch.bfloat16,
                                 "cpu" if tiny else "cuda", seed=0)
             training = SFTConfig(**kwargs)
-            compile_per_layer(training)
             trainer = SFTTrainer(model=model, args=training, train_dataset=make_dataset(rows),
-                                 processing_class=tokenizer)
+                                 processing_class=tokenizer, callbacks=compile_per_layer(training))
             trainer.train()
             curves[name] = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
             del trainer, model
