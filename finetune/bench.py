@@ -680,7 +680,6 @@ def versions() -> dict:
     with contextlib.suppress(ImportError):
         from importlib.metadata import version
 
-        import liger_kernel
 
         info["liger_kernel"] = version("liger_kernel")
     if torch.cuda.is_available():

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from finetune.config import UserError
+from finetune.errors import UserError
 
 MARKER = "finetune_checkpoint.json"
 PREEMPTED_EXIT_CODE = 143

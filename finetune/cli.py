@@ -49,7 +49,7 @@ def add_plan(subparsers) -> None:
 
 
 def _run_merge(args: argparse.Namespace, extra: list[str]) -> int:
-    from finetune.config import UserError
+    from finetune.errors import UserError
     from finetune.merge import merge_adapter
 
     try:
@@ -70,7 +70,7 @@ def add_merge(subparsers) -> None:
 
 def _run_launch(args: argparse.Namespace, extra: list[str]) -> int:
     from finetune import launch
-    from finetune.config import UserError
+    from finetune.errors import UserError
 
     try:
         launch.main(extra)

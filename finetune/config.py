@@ -12,20 +12,26 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
 from trl import ModelConfig, ScriptArguments, SFTConfig, TrlParser
 
 from finetune import cpu
 from finetune.architectures import model_family
+from finetune.config_files import (
+    accelerate_config_file,
+    read_deepspeed_config,
+    read_recipe,
+    requested_strategy,
+    shipped,
+)
+from finetune.errors import UserError
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
 RUN_RECORD = "finetune_run.json"
-SAMPLE_DATA = PROJECT_ROOT / "data" / "sample"
+SAMPLE_DATA = shipped("data/sample")
 TINY_MAX_LENGTH = 256
 
 # What `accelerate launch scripts/sft.py` runs with no arguments: the tiny Llama on the bundled sample data.
 DEFAULT_ARGS = [
-    "--config", str(PROJECT_ROOT / "recipes" / "llama-3.2-1b" / "full.yaml"),
+    "--config", str(shipped("recipes/llama-3.2-1b/full.yaml")),
     "--tiny",
     "--output_dir", time.strftime("outputs/default-%Y%m%d-%H%M%S"),
     "--num_train_epochs", "12",
@@ -37,10 +43,6 @@ DEFAULT_ARGS = [
     "--save_strategy", "no",
     "--sample_prompt", "Count from 3 to 7.",
 ]
-
-
-class UserError(Exception):
-    """A mistake in a recipe, flag, config file or dataset, reported as one sentence naming the file, field and fix."""
 
 
 @dataclass
@@ -72,30 +74,26 @@ class RunConfig:
     finetune: FinetuneArguments
     recipe_path: str | None
     explicit_keys: set[str]
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def _flag_error(message: str):
+    raise UserError(f"command line: {message}; fix that flag (see `scripts/sft.py --help`).")
+
+
+class _Parser(TrlParser):
+    """TRL's parser, with argparse's own message raised as the one sentence instead of printed with usage text."""
+
+    def error(self, message: str):
+        _flag_error(message)
 
 
 def _parser() -> TrlParser:
-    return TrlParser((ScriptArguments, SFTConfig, ModelConfig, FinetuneArguments))
+    return _Parser((ScriptArguments, SFTConfig, ModelConfig, FinetuneArguments))
 
 
-def read_yaml_mapping(file: str, kind: str, where_to_find: str) -> dict:
-    """A flat YAML file (a recipe, an accelerate config), or a UserError naming the file and what to fix."""
-    path = Path(file)
-    if not path.is_file():
-        raise UserError(f"{file}: {kind} file not found; {where_to_find}.")
-    try:
-        values = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as error:
-        mark = getattr(error, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark else ""
-        raise UserError(f"{file}: not valid YAML{where}; fix the syntax there.") from None
-    if not isinstance(values, dict):
-        raise UserError(f"{file}: this {kind} file must be a YAML mapping of `key: value` lines; rewrite it as one.")
-    return values
 
 
-def _read_recipe(recipe_path: str) -> dict:
-    return read_yaml_mapping(recipe_path, "recipe", "pass --config with the path of a file under recipes/")
 
 
 def _coerce_recipe_values(parser: TrlParser, recipe: dict, recipe_path: str) -> dict:
@@ -142,29 +140,24 @@ def _flags_given(argv: list[str]) -> set[str]:
 
 
 def parse_args(argv: list[str] | None = None) -> RunConfig:
-    """Parse the recipe and the command line into TRL's dataclasses and finetune's own arguments."""
+    """Parse the recipe and the command line into TRL's dataclasses and finetune's own arguments. Reads files and the
+    environment, writes nothing: `apply_to_process` is the step that changes the process."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv:
         argv = list(DEFAULT_ARGS)
     parser = _parser()
-    parser.error = _flag_error  # argparse's own message, as the one sentence, instead of its usage text
 
-    recipe_path, recipe = None, {}
+    recipe_path, recipe, env = None, {}, {}
     if "--config" in argv:
         index = argv.index("--config")
         if index + 1 >= len(argv):
             raise UserError("command line: --config needs a recipe path; pass --config recipes/MODEL/METHOD.yaml.")
         recipe_path = argv[index + 1]
         argv = argv[:index] + argv[index + 2 :]
-        recipe = _coerce_recipe_values(parser, _read_recipe(recipe_path), recipe_path)
-        env = recipe.pop("env", None) or {}
-        if not isinstance(env, dict):
-            raise UserError(f"{recipe_path}: `env` must be a mapping of VARIABLE: value lines; rewrite it as one.")
-        for key, value in env.items():
-            os.environ[key] = str(value)
+        recipe = _coerce_recipe_values(parser, read_recipe(recipe_path), recipe_path)
+        env = {key: str(value) for key, value in (recipe.pop("env", None) or {}).items()}
         parser.set_defaults(**recipe)
     if cpu.on_cpu():
-        cpu.prepare_cpu_process_group()
         given = _flags_given(argv)  # a flag on the command line still wins over the CPU's value
         parser.set_defaults(**cpu.cpu_overrides({key: value for key, value in recipe.items() if key not in given}))
 
@@ -183,8 +176,16 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
         raise UserError(f"{source}: {_one_sentence(error)}") from None
     if finetune.tiny:
         _scale_down_for_tiny(script, training, _flags_given(argv))
-    _keep_token_out_of_saved_arguments(training)
-    return RunConfig(script, training, model, finetune, recipe_path, set(recipe) | _flags_given(argv))
+    return RunConfig(script, training, model, finetune, recipe_path, set(recipe) | _flags_given(argv), env)
+
+
+def apply_to_process(run: RunConfig) -> None:
+    """The one step that changes the process for a run: the recipe's `env:` block, the CPU process group (FSDP over
+    gloo), and the access token moved out of the arguments the Trainer saves."""
+    os.environ.update(run.env)
+    if cpu.on_cpu():
+        cpu.prepare_cpu_process_group()
+    _keep_token_out_of_saved_arguments(run.training)
 
 
 def _scale_down_for_tiny(script: ScriptArguments, training: SFTConfig, flags_given: set[str]) -> None:
@@ -203,10 +204,6 @@ def _keep_token_out_of_saved_arguments(training: SFTConfig) -> None:
     if training.hub_token:
         os.environ["HF_TOKEN"] = training.hub_token
         training.hub_token = None
-
-
-def _flag_error(message: str):
-    raise UserError(f"command line: {message}; fix that flag (see `scripts/sft.py --help`).")
 
 
 def _known_dests(parser: TrlParser) -> set[str]:
@@ -285,46 +282,10 @@ def check_resume_checkpoint(run: RunConfig) -> None:
         checkpoints.resume_point(requested, run.training.output_dir, announce=False)
 
 
-def requested_strategy() -> str:
-    """What the accelerate config file asked for, from the environment `accelerate launch` sets."""
-    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
-        return "fsdp"
-    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
-        config_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
-        stage = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")
-        if config_file:
-            stage = str(read_deepspeed_config(config_file).get("zero_optimization", {}).get("stage", stage))
-        return f"zero{stage}"
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        return "ddp"
-    return "single"
 
 
-def accelerate_config_file() -> str:
-    """The --config_file `accelerate launch` was given, read from the launcher's command line, for error messages."""
-    try:
-        launcher_args = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode().split("\0")
-    except OSError:
-        return "the accelerate config file"
-    for index, arg in enumerate(launcher_args[:-1]):
-        if arg == "--config_file":
-            return launcher_args[index + 1]
-        if arg.startswith("--config_file="):
-            return arg.split("=", 1)[1]
-    return "the default accelerate config (`accelerate config`)"
 
 
-def read_deepspeed_config(config_file: str) -> dict:
-    path = Path(config_file)
-    if not path.is_file():
-        raise UserError(
-            f"{accelerate_config_file()}: deepspeed_config_file {config_file} "
-            f"not found; paths are relative to where you launch, so launch from the project root."
-        )
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise UserError(f"{config_file}: not valid JSON at line {error.lineno}; fix the syntax there.") from None
 
 
 def run_identity(run: RunConfig) -> dict:
@@ -359,11 +320,3 @@ def check_output_dir(run: RunConfig) -> None:
         )
 
 
-
-def exit_on_user_error(main) -> None:
-    """Run `main`; a user mistake ends as one line on stderr and exit code 2, without a traceback."""
-    try:
-        main()
-    except UserError as error:
-        print(f"error: {error}", file=sys.stderr, flush=True)
-        sys.exit(2)

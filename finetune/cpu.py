@@ -32,8 +32,6 @@ def cpu_overrides(values: dict) -> dict:
         overrides["experts_implementation"] = CPU_EXPERTS[values["experts_implementation"]]
     if values.get("optim") in ("adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit"):
         overrides["optim"] = "adamw_torch"
-    if fsdp_shim_enabled():
-        overrides["accelerator_config"] = {"use_configured_state": True}  # keep the FSDP state set up above
     changed = {key: value for key, value in overrides.items() if key in values and values[key] != value}
     if changed:
         logger.warning("No GPU: running on CPU with %s instead of the recipe's values.", changed)
@@ -41,18 +39,14 @@ def cpu_overrides(values: dict) -> dict:
 
 
 def prepare_cpu_process_group() -> None:
-    """Make a launch of N processes on a machine without a GPU one distributed run over gloo.
+    """Make a launch of N processes on a machine without a GPU one distributed run over gloo, in float32.
 
-    A GPU-style accelerate config launched with --num_processes N starts N processes, but each one's PartialState
-    reports world size 1 unless the state is created with cpu=True first. Mixed precision is float32 on CPU.
+    The training arguments (`use_cpu`) have already created accelerate's state as a gloo process group; an FSDP
+    launch then needs that state switched to FSDP before the Trainer builds its Accelerator from it.
     """
-    from accelerate import PartialState
-
     os.environ["ACCELERATE_MIXED_PRECISION"] = "no"
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        PartialState(cpu=True)
-        if fsdp_requested():
-            configure_fsdp_on_cpu()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and fsdp_requested():
+        configure_fsdp_on_cpu()
 
 
 # Set to 0 to leave an FSDP launch on CPU to accelerate alone (it then runs as DDP, which the setup check refuses).
@@ -71,7 +65,7 @@ def configure_fsdp_on_cpu() -> None:
     """Set accelerate's state to FSDP over gloo, with the plugin built from the launch's FSDP_* variables.
 
     accelerate 1.15 switches to FSDP only from a GPU-type state; on CPU (MULTI_CPU) it ignores the FSDP plugin and
-    wraps the model in DDP. The trainer must then reuse this state: see `cpu_overrides` (use_configured_state).
+    wraps the model in DDP. The Trainer's Accelerator reuses the state set here.
     """
     if not fsdp_shim_enabled():
         return

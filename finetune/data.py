@@ -13,7 +13,7 @@ from datasets import Dataset, DatasetDict, load_dataset
 from trl import ScriptArguments, SFTConfig
 from trl.data_utils import is_conversational
 
-from finetune.config import UserError
+from finetune.errors import UserError
 
 logger = logging.getLogger(__name__)
 

@@ -17,9 +17,10 @@ import shlex
 import sys
 from pathlib import Path
 
-from finetune.config import PROJECT_ROOT, UserError, read_deepspeed_config, read_yaml_mapping
+from finetune.config_files import read_deepspeed_config, read_yaml_mapping, shipped
+from finetune.errors import UserError
 
-SFT_SCRIPT = PROJECT_ROOT / "scripts" / "sft.py"
+SFT_SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "sft.py"
 # The `accelerate launch` flags this command understands; any other flag is scripts/sft.py's.
 LAUNCHER_FLAGS = ("config_file", "num_processes", "num_machines", "machine_rank", "main_process_ip",
                   "main_process_port")
@@ -73,7 +74,7 @@ def planned_config(sft_args: list[str], nodes: int) -> tuple[str | None, int]:
     if not result.fits:
         raise UserError(f"{recipe}: no strategy fits {gpus * nodes} GPU(s) of {memory_gib:.0f} GiB; "
                         f"try one of the changes listed above.")
-    return str(PROJECT_ROOT / plan.CONFIG_FILES[result.technique]), gpus * nodes
+    return str(shipped(plan.CONFIG_FILES[result.technique])), gpus * nodes
 
 
 def default_config_file() -> str:

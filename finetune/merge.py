@@ -6,7 +6,7 @@ from pathlib import Path
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from finetune.config import UserError
+from finetune.errors import UserError
 
 
 def merge_adapter(adapter_dir: str, output_dir: str, base_model: str | None = None) -> Path:

@@ -14,7 +14,8 @@ from trl import get_peft_config, get_quantization_config
 
 from finetune import attention, cpu, tiny
 from finetune.architectures import model_family
-from finetune.config import RunConfig, UserError
+from finetune.config import RunConfig
+from finetune.errors import UserError
 
 logger = logging.getLogger(__name__)
 

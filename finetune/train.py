@@ -18,7 +18,9 @@ from trl import SFTTrainer
 
 from finetune import checkpoints
 from finetune import model as model_loading
-from finetune.config import RUN_RECORD, RunConfig, UserError, accelerate_config_file, requested_strategy, run_identity
+from finetune.config import RUN_RECORD, RunConfig, run_identity
+from finetune.config_files import accelerate_config_file, requested_strategy
+from finetune.errors import UserError
 
 logger = logging.getLogger(__name__)
 

@@ -207,7 +207,9 @@ def run_case(case: dict) -> dict:
             after_forward_gib=[x / GIB for x in stats["after_forward_allocated"]],
             gpu=torch.cuda.get_device_name(),
         )
-    import transformers, trl, peft  # noqa: E401
+    import peft
+    import transformers  # noqa: E401
+    import trl
 
     row["versions"] = {"torch": torch.__version__, "transformers": transformers.__version__, "trl": trl.__version__,
                        "peft": peft.__version__}

@@ -6,11 +6,13 @@ With no arguments it trains the tiny Llama on the bundled sample data (see finet
 """
 
 from finetune import config, data, model, train
+from finetune.errors import exit_on_user_error
 
 
 def prepare(argv: list[str] | None = None):
     """Parse, check, load: the run, its trainer ready to train, and the tokenizer."""
     run = config.parse_args(argv)
+    config.apply_to_process(run)
     config.check(run)
     model_path = model.resolve_model_path(run)
     tokenizer = model.load_tokenizer(model_path, run.training.assistant_only_loss)
@@ -25,4 +27,4 @@ def main(argv: list[str] | None = None) -> None:
     train.finish_run(trainer)
 
 if __name__ == "__main__":
-    config.exit_on_user_error(main)
+    exit_on_user_error(main)

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ACCELERATE, ROOT, free_port
 from safetensors.torch import load_file
 
 from finetune.checkpoints import PREEMPTED_EXIT_CODE, checkpoint_problem
+from tests.helpers import ACCELERATE, ROOT, free_port
 
 SEED = 20260601  # the kill positions are drawn from this: CI kills at the same places every time
 RECIPE = ROOT / "recipes" / "llama-3.2-1b" / "lora.yaml"

@@ -26,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 
 from sft import prepare  # noqa: E402  (scripts/sft.py: the same parse, check and load as a real run)
 
-from finetune import config, model  # noqa: E402
+from finetune import model  # noqa: E402
+from finetune.errors import exit_on_user_error  # noqa: E402
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
@@ -118,4 +119,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    config.exit_on_user_error(main)
+    exit_on_user_error(main)

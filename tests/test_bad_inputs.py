@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ACCELERATE, ROOT, free_port, run_sft_in_process
+from tests.helpers import ACCELERATE, ROOT, free_port, run_sft_in_process
 
 FINETUNE = str(Path(sys.executable).with_name("finetune"))
 from test_config import folder_digest, good_turns, write
@@ -186,7 +186,8 @@ def run(arguments: list[str], launcher: list[str]) -> subprocess.CompletedProces
 def existing_run(folder: Path, arguments: list[str]) -> Path:
     """An output folder holding a run of the same identity (so that it would be resumed, not refused as another
     run's), with a checkpoint and weights: no bad launch may change a byte of it."""
-    from finetune.config import UserError, parse_args, run_identity
+    from finetune.config import parse_args, run_identity
+    from finetune.errors import UserError
 
     try:
         identity = run_identity(parse_args([*arguments, "--output_dir", str(folder)]))

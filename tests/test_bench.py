@@ -4,18 +4,17 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
+from tests.helpers import ROOT
 
 
 def test_tiny_bench_writes_every_case(tmp_path):
     from finetune.bench import gpu_cases
 
-    env = dict(os.environ, HF_HUB_OFFLINE="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(PROJECT_ROOT))
+    env = dict(os.environ, HF_HUB_OFFLINE="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(ROOT))
     completed = subprocess.run(
-        [sys.executable, str(PROJECT_ROOT / "scripts" / "bench.py"), "--tiny", "--out", str(tmp_path)],
-        cwd=PROJECT_ROOT, env=env, capture_output=True, text=True, timeout=300,
+        [sys.executable, str(ROOT / "scripts" / "bench.py"), "--tiny", "--out", str(tmp_path)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ACCELERATE, ROOT, free_port, run_sft_in_process
+from tests.helpers import ACCELERATE, ROOT, free_port, run_sft_in_process
 
 LLAMA_FULL = ROOT / "recipes" / "llama-3.2-1b" / "full.yaml"
 LLAMA_LORA = ROOT / "recipes" / "llama-3.2-1b" / "lora.yaml"

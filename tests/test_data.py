@@ -6,9 +6,9 @@ import pytest
 from datasets import Dataset
 from trl import ScriptArguments, SFTConfig
 
-from conftest import ROOT, launch_sft, printed_losses
-from finetune.config import UserError
 from finetune.data import check_rows, load_datasets
+from finetune.errors import UserError
+from tests.helpers import ROOT, launch_sft, printed_losses
 
 CONVERSATION = [{"role": "user", "content": "Spell cat backwards."}, {"role": "assistant", "content": "tac"}]
 ROWS = {

@@ -20,18 +20,15 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import pytest
-from conftest import free_port
 
+from tests.helpers import ACCELERATE, ROOT, free_port
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
-ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
-CONFIGS = PROJECT_ROOT / "accelerate_configs"
+CONFIGS = ROOT / "accelerate_configs"
 STRATEGIES = ["ddp", "fsdp", "zero2", "zero3", "zero3_offload"]
 LORA_STRATEGIES = ["ddp", "fsdp", "zero2", "zero3"]  # zero3_offload + LoRA: verified by hand, offload tested above
 # What each config file must run as: (strategy in the setup line, the wrapper around the model).
@@ -108,7 +105,7 @@ def run_sft(config: str | None, recipe: str, output_dir: Path, *flags: str, proc
     """Launch scripts/sft.py as a user would and return the finished run; fail with the log if it failed."""
     command = accelerate_command(config, processes, free_port()) + sft_args(recipe, output_dir, *flags)
     start = time.monotonic()
-    result = subprocess.run(command, cwd=PROJECT_ROOT, env=launch_env(**(env or {})), capture_output=True, text=True, timeout=600)
+    result = subprocess.run(command, cwd=ROOT, env=launch_env(**(env or {})), capture_output=True, text=True, timeout=600)
     output = result.stdout + result.stderr
     assert result.returncode == 0, f"{' '.join(command)} failed ({result.returncode}):\n{output[-6000:]}"
     return Run(output_dir, output, time.monotonic() - start)
@@ -319,7 +316,7 @@ def test_two_machines_give_the_single_process_answer(runs, tmp_path):
             accelerate_command("ddp", 2, port, "--num_machines", "2", "--machine_rank", str(rank),
                                "--main_process_ip", "127.0.0.1")
             + sft_args("llama-3.2-1b/full", output_dir, *COMPARABLE, *batch_flags(2), "--max_steps", str(STEPS)),
-            cwd=PROJECT_ROOT, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            cwd=ROOT, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
         for rank in (0, 1)
     ]
@@ -342,7 +339,7 @@ def test_fsdp_config_falling_back_to_ddp_stops_with_a_clear_error(tmp_path):
     command = [ACCELERATE, "launch", "--config_file", str(config_file), "--num_processes", "2",
                "--main_process_port", str(free_port())]
     command += sft_args("llama-3.2-1b/full", tmp_path / "out", *COMPARABLE, *batch_flags(2), "--max_steps", "2")
-    result = subprocess.run(command, cwd=PROJECT_ROOT, env=launch_env(FINETUNE_CPU_FSDP="0"), capture_output=True,
+    result = subprocess.run(command, cwd=ROOT, env=launch_env(FINETUNE_CPU_FSDP="0"), capture_output=True,
                             text=True, timeout=600)
     output = result.stdout + result.stderr
     assert result.returncode != 0, output[-3000:]
@@ -372,14 +369,15 @@ def test_processes_training_as_independent_runs_is_a_setup_problem():
 ])
 def test_qlora_is_refused_under_sharding_strategies(monkeypatch, tmp_path, use, values):
     from finetune import config
+    from finetune.errors import UserError
 
-    monkeypatch.chdir(PROJECT_ROOT)
+    monkeypatch.chdir(ROOT)
     for name in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_DEEPSPEED_CONFIG_FILE"):
         monkeypatch.delenv(name, raising=False)
     for name, value in values.items():
         monkeypatch.setenv(name, value)
     run = config.parse_args(["--config", "recipes/llama-3.2-3b/qlora.yaml", "--tiny", "--output_dir", str(tmp_path)])
-    with pytest.raises(config.UserError, match=rf"QLoRA's 4-bit weights cannot be sharded by {use.upper()}"):
+    with pytest.raises(UserError, match=rf"QLoRA's 4-bit weights cannot be sharded by {use.upper()}"):
         config.check(run)
 
 

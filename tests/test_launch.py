@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import ROOT, free_port, printed_setup
 from finetune import launch, plan
+from tests.helpers import ROOT, free_port, printed_setup
 
 FINETUNE = str(Path(sys.executable).with_name("finetune"))
 H200_BYTES = 141 * 10**9

@@ -10,10 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import free_port
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = PROJECT_ROOT / "scripts" / "launch.slurm"
+from tests.helpers import ROOT, free_port
+
+SCRIPT = ROOT / "scripts" / "launch.slurm"
 
 FAKE_SRUN = """#!/bin/bash
 # Fake srun: run `bash -c COMMAND` once per node, concurrently, each with its own SLURM_NODEID/SLURM_PROCID.
@@ -56,7 +56,7 @@ def fake_slurm(tmp_path):
         )
         environment.update(env)
         environment = {key: value for key, value in environment.items() if value != ""}  # "" means unset
-        result = subprocess.run(["bash", str(SCRIPT), *args], cwd=PROJECT_ROOT, env=environment,
+        result = subprocess.run(["bash", str(SCRIPT), *args], cwd=ROOT, env=environment,
                                 capture_output=True, text=True, timeout=600)
         nodes = int(environment.get("SLURM_NNODES", 0))
         node_outputs = [Path(f"{log}.node{node}").read_text() if Path(f"{log}.node{node}").exists() else ""

@@ -5,9 +5,10 @@ import json
 import pytest
 import torch
 
-from conftest import ROOT
 from finetune import config, data, model, train
 from finetune.data import load_datasets
+from finetune.errors import UserError
+from tests.helpers import ROOT
 
 
 def build(recipe: str, tmp_path, *overrides: str):
@@ -86,6 +87,6 @@ def test_truncation_off_refuses_exactly_the_rows_trl_would_cut(tmp_path, data_fo
     run.training.max_length = longest
     load_datasets(run.script, run.training, tokenizer)
     run.training.max_length = longest - 1
-    with pytest.raises(config.UserError, match=f"row {trl_lengths.index(longest) + 1} is {longest} tokens"):
+    with pytest.raises(UserError, match=f"row {trl_lengths.index(longest) + 1} is {longest} tokens"):
         load_datasets(run.script, run.training, tokenizer)
     load_datasets(run.script, run.training)  # truncation on: TRL cuts the row, nothing to refuse

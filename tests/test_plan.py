@@ -5,13 +5,12 @@ import subprocess
 import sys
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
 from finetune import plan as P
+from tests.helpers import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "recipes").glob("*/*.yaml"))
 GIB = P.GIB
 
@@ -46,8 +45,9 @@ def test_parameter_count_of_a_small_dense_config_is_exact():
 @pytest.mark.parametrize("name", ["llama-3.2-1b", "llama-3.2-3b", "gpt-oss-20b"])
 def test_parameter_count_matches_the_real_architecture(name):
     torch = pytest.importorskip("torch")
-    from finetune.architectures import load_architecture
     from transformers import AutoModelForCausalLM
+
+    from finetune.architectures import load_architecture
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(load_architecture(name))
@@ -112,8 +112,9 @@ def test_activations_grow_with_tokens_and_checkpointing_shrinks_them():
 
 def test_dense_layer_activation_formula_matches_the_saved_tensors_of_the_real_layer():
     torch = pytest.importorskip("torch")
-    from finetune.architectures import load_architecture
     from transformers import AutoModelForCausalLM
+
+    from finetune.architectures import load_architecture
 
     cfg = load_architecture("llama-3.2-1b")
     sizes = {}

@@ -35,19 +35,16 @@ import json
 import math
 import os
 import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from conftest import free_port
 
 from finetune import plan
+from tests.helpers import ACCELERATE, ROOT, free_port
 
 pytestmark = pytest.mark.xdist_group("test_plan_sharding")  # one worker: its launches are module fixtures
 
-ROOT = Path(__file__).resolve().parent.parent
-ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
 RECIPE = "recipes/llama-3.2-1b/full.yaml"
 WORLD = 2
 FP32 = 4

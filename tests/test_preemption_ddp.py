@@ -4,8 +4,13 @@ SIGTERM, each relaunch ending bitwise equal to the uninterrupted 2-process run."
 import random
 
 import pytest
-from preemption import SEED, kill_positions, reference, run_kill_chain
-from preemption import training_data  # noqa: F401  (autouse fixture: the module's training data file)
+from preemption import (
+    SEED,
+    kill_positions,
+    reference,
+    run_kill_chain,
+    training_data,  # noqa: F401  (autouse fixture: the module's training data file)
+)
 
 pytestmark = pytest.mark.xdist_group("test_preemption_ddp")  # one worker: its launches are module fixtures
 

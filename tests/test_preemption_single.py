@@ -8,12 +8,24 @@ import subprocess
 
 import pytest
 import torch
-from conftest import run_sft_in_process
-from preemption import (SEED, WEIGHTS, Launch, assert_same_checkpoint, complete_checkpoints, copy_run, error_line,
-                        kill_positions, reference, run_args, run_kill_chain, tmpfs)
-from preemption import training_data  # noqa: F401  (autouse fixture: the module's training data file)
+from preemption import (
+    SEED,
+    WEIGHTS,
+    Launch,
+    assert_same_checkpoint,
+    complete_checkpoints,
+    copy_run,
+    error_line,
+    kill_positions,
+    reference,
+    run_args,
+    run_kill_chain,
+    tmpfs,
+    training_data,  # noqa: F401  (autouse fixture: the module's training data file)
+)
 
 from finetune.checkpoints import MARKER, checkpoint_problem
+from tests.helpers import run_sft_in_process
 
 pytestmark = pytest.mark.xdist_group("test_preemption_single")  # one worker: its launches are module fixtures
 

@@ -4,8 +4,13 @@ SIGKILLs and SIGTERM, each relaunch ending bitwise equal to the uninterrupted Ze
 import random
 
 import pytest
-from preemption import SEED, kill_positions, reference, run_kill_chain
-from preemption import training_data  # noqa: F401  (autouse fixture: the module's training data file)
+from preemption import (
+    SEED,
+    kill_positions,
+    reference,
+    run_kill_chain,
+    training_data,  # noqa: F401  (autouse fixture: the module's training data file)
+)
 
 pytestmark = pytest.mark.xdist_group("test_preemption_zero3")  # one worker: its launches are module fixtures
 

@@ -7,9 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import ROOT, launch_sft
 from finetune.config import parse_args
 from finetune.model import model_init_kwargs
+from tests.helpers import ROOT, launch_sft
 
 LORA = ROOT / "recipes" / "llama-3.2-1b" / "lora.yaml"
 FAKE_TOKEN = "hf_FinetuneLeakCanary0123456789abcdefXYZ"

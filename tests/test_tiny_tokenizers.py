@@ -1,7 +1,6 @@
 import importlib.util
 import json
 import re
-from pathlib import Path
 
 import pytest
 from trl.chat_template_utils import (
@@ -13,8 +12,8 @@ from trl.chat_template_utils import (
 )
 
 from finetune.tiny import TINY_TOKENIZERS_DIR, build_tiny_tokenizer
+from tests.helpers import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 SAMPLE_DIR = ROOT / "data" / "sample"
 LLAMA_TRAINING_TEMPLATE = (ROOT / "finetune" / "chat_templates" / "llama3_2_training.jinja").read_text()
 

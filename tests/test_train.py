@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, launch_sft, printed_losses, printed_setup
 from finetune.plan import read_recipe
+from tests.helpers import ROOT, launch_sft, printed_losses, printed_setup
 
 RECIPES = sorted(ROOT.glob("recipes/*/*.yaml"))
 

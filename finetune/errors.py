@@ -1,0 +1,25 @@
+"""The one error type for user mistakes, and the wrapper that prints it as one line.
+
+A `UserError`'s message is one sentence naming the file, the field and the fix. It imports nothing heavy, so every
+module (the planner and `finetune launch` included) can raise it without pulling in trl or torch.
+"""
+
+import sys
+
+
+class UserError(Exception):
+    """A mistake in a recipe, flag, config file or dataset, reported as one sentence naming the file, field and fix."""
+
+
+def report(error: UserError) -> int:
+    """Print a user mistake as one line on stderr; the exit code that goes with it."""
+    print(f"error: {error}", file=sys.stderr, flush=True)
+    return 2
+
+
+def exit_on_user_error(main) -> None:
+    """Run `main`; a user mistake ends as one line on stderr and exit code 2, without a traceback."""
+    try:
+        main()
+    except UserError as error:
+        sys.exit(report(error))

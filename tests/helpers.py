@@ -1,0 +1,63 @@
+"""What the tests share: the project root, one way to launch a training run, and readers for what a run printed."""
+
+import json
+import os
+import runpy
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+ACCELERATE = str(Path(sys.executable).parent / "accelerate")
+
+
+def free_port() -> int:
+    """A port no one listens on now: parallel test workers each launching accelerate on its default 29500 collide."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch_sft(*args: str, cwd: Path = ROOT, launcher: list[str] | None = None, timeout: int = 600):
+    """Run scripts/sft.py through the real `accelerate launch`, as a user would."""
+    command = launcher if launcher is not None else [ACCELERATE, "launch", "-q"]
+    return subprocess.run(
+        [*command, str(ROOT / "scripts" / "sft.py"), *args],
+        cwd=cwd, capture_output=True, text=True, timeout=timeout, env=os.environ.copy(),
+    )
+
+
+def printed_losses(stdout: str) -> list[float]:
+    line = next(line for line in stdout.splitlines() if line.startswith("[finetune] train loss:"))
+    return [float(value) for value in line.split(":", 1)[1].split("->")]
+
+
+def printed_setup(stdout: str) -> dict:
+    line = next(line for line in stdout.splitlines() if "[finetune] setup:" in line)
+    return json.loads(line.split("[finetune] setup:", 1)[1])
+
+
+def run_sft_in_process(args: list[str], capfd, monkeypatch) -> subprocess.CompletedProcess:
+    """`python scripts/sft.py ARGS`, run in this process so that the imports are paid once: its exit code and what
+    it printed. For refusals only: loading a model fails the test, since every refusal must come before it."""
+    from finetune import model
+
+    def load_model(*_, **__):
+        raise AssertionError("a model was loaded: the input was not refused before loading")
+
+    monkeypatch.setattr(model, "load_model", load_model)
+    script = str(ROOT / "scripts" / "sft.py")
+    monkeypatch.setattr(sys, "argv", [script, *args])
+    environment = dict(os.environ)  # a recipe's `env:` and the CPU settings write to it
+    capfd.readouterr()
+    try:
+        runpy.run_path(script, run_name="__main__")
+        code = 0
+    except SystemExit as exit:
+        code = exit.code
+    finally:
+        os.environ.clear()
+        os.environ.update(environment)
+    out, err = capfd.readouterr()
+    return subprocess.CompletedProcess([script, *args], code, out, err)
