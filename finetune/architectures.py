@@ -28,17 +28,31 @@ def known_architecture(model_name_or_path: str) -> str | None:
     return None
 
 
+def config_values(model_name_or_path: str) -> tuple[str, dict]:
+    """The name and the config.json values of a model: the stored copy for known models, else a local folder's.
+    Plain JSON, so the planner reads it without transformers. ValueError when neither exists (never downloads)."""
+    name = known_architecture(model_name_or_path)
+    if name is not None:
+        return name, json.loads((MODEL_CONFIGS_DIR / f"{name}.json").read_text())
+    local = Path(model_name_or_path) / "config.json"
+    if local.is_file():
+        return Path(model_name_or_path).name, json.loads(local.read_text())
+    raise ValueError(
+        f"Unknown model {model_name_or_path!r}: not one of {sorted(HUB_ID_TO_ARCHITECTURE)} and no config.json there."
+    )
+
+
 def load_architecture(model_name_or_path: str):
     """The model's transformers config, from the stored copies for known models or from a local folder.
 
     transformers is imported here, not at the top, so that the planner can use this module and still answer at once."""
     from transformers import AutoConfig
 
-    name = known_architecture(model_name_or_path)
-    if name is not None:
-        values = json.loads((MODEL_CONFIGS_DIR / f"{name}.json").read_text())
-        return AutoConfig.for_model(values.pop("model_type"), **values)
-    return AutoConfig.from_pretrained(model_name_or_path)
+    if known_architecture(model_name_or_path) is None:
+        return AutoConfig.from_pretrained(model_name_or_path)
+    _, values = config_values(model_name_or_path)
+    values = dict(values)
+    return AutoConfig.for_model(values.pop("model_type"), **values)
 
 
 def model_family(model_name_or_path: str) -> str:

@@ -20,7 +20,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import os
@@ -33,6 +32,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
+from finetune import patches
 from finetune.errors import UserError
 
 MARKER = "finetune_checkpoint.json"
@@ -200,19 +200,6 @@ def rotate(output_dir: str | Path, save_total_limit: int | None, keep: set[Path]
     return deleted
 
 
-@contextlib.contextmanager
-def _rotation_deferred():
-    """The Trainer rotates checkpoints inside its save, before the marker exists; skip that, `rotate` runs later."""
-    import transformers.trainer as trainer_module
-
-    original = trainer_module.rotate_checkpoints
-    trainer_module.rotate_checkpoints = lambda *args, **kwargs: None
-    try:
-        yield
-    finally:
-        trainer_module.rotate_checkpoints = original
-
-
 IO_ERRNOS = {errno.ENOSPC: "no space left on the device", errno.EACCES: "no write permission",
              errno.EPERM: "no write permission", errno.EROFS: "the file system is read-only", errno.EDQUOT: "disk quota exceeded"}
 IO_WORDS = {"no space left": errno.ENOSPC, "storagefull": errno.ENOSPC, "permission denied": errno.EACCES,
@@ -255,7 +242,9 @@ def _any_rank(trainer, flag: bool) -> bool:
     return bool(tensor.item() > 0)
 
 
-def _safe_save_checkpoint(trainer, original_save, model, trial=None) -> None:
+def save_checkpoint_completely(trainer, save, model, trial=None) -> None:
+    """Run the Trainer's own checkpoint save (`save`), then flush it and write the completeness marker; rotation
+    after the marker; a failed write removes the half-written folder and ends in one sentence."""
     step = trainer.state.global_step
     run_dir = Path(trainer._get_output_dir(trial=trial))
     folder = run_dir / f"checkpoint-{step}"
@@ -266,8 +255,8 @@ def _safe_save_checkpoint(trainer, original_save, model, trial=None) -> None:
     trainer.accelerator.wait_for_everyone()
     started, failure = time.monotonic(), None
     try:
-        with _rotation_deferred():
-            original_save(model, trial)
+        with patches.rotation_deferred():
+            save(model, trial)
     except Exception as error:  # a failed write is reported below; anything else is re-raised
         if save_failure_reason(error, run_dir) is None:
             raise
@@ -288,7 +277,7 @@ def _safe_save_checkpoint(trainer, original_save, model, trial=None) -> None:
         for deleted in rotate(run_dir, trainer.args.save_total_limit, {trainer.state.best_model_checkpoint} - {None}):
             _say(f"deleted {deleted} (save_total_limit={trainer.args.save_total_limit})")
     trainer.accelerator.wait_for_everyone()
-    trainer._finetune_last_save_seconds = time.monotonic() - started
+    trainer.last_save_seconds = time.monotonic() - started
 
 
 # ---- SIGTERM -----------------------------------------------------------------------------------------------------
@@ -328,22 +317,14 @@ class Preemption(TrainerCallback):
         return control
 
 
-def make_preemption_safe(trainer) -> None:
-    """Give a Trainer completeness markers, rotation after the marker, clear save errors and SIGTERM-as-save."""
-    original = trainer._save_checkpoint
-    trainer._save_checkpoint = lambda model, trial=None: _safe_save_checkpoint(trainer, original, model, trial)
-    trainer._finetune_preemption = Preemption(trainer)
-    trainer.add_callback(trainer._finetune_preemption)
-
-
 def exit_if_preempted(trainer) -> None:
     """After `trainer.train()`: when a SIGTERM stopped it, say what was saved and how long it took, and exit 143."""
-    preemption = getattr(trainer, "_finetune_preemption", None)
-    if preemption is None or preemption.stopped_at is None:
+    preemption = trainer.preemption
+    if preemption.stopped_at is None:
         return
     if trainer.accelerator.is_main_process:
         after_signal = time.monotonic() - preemption.signal_time
-        save_seconds = getattr(trainer, "_finetune_last_save_seconds", 0.0)
+        save_seconds = trainer.last_save_seconds
         _say(
             f"SIGTERM: stopped after step {preemption.stopped_at} of {trainer.state.max_steps} and saved "
             f"checkpoint-{preemption.stopped_at} {after_signal:.2f} s after the signal (longest step "

@@ -13,12 +13,15 @@ import sys
 
 def _run_plan(args: argparse.Namespace, extra: list[str]) -> int:
     from finetune import plan as planner
+    from finetune.config_files import parse_overrides, read_recipe
+    from finetune.errors import UserError, report
 
-    overrides = planner.parse_overrides(extra)
-    values = planner.read_recipe(args.config, overrides)
     try:
+        values = read_recipe(args.config, parse_overrides(extra))
         result = planner.plan(values, gpus=args.gpus, gpu=args.gpu, gpu_memory_gib=args.gpu_memory, nodes=args.nodes,
                               recipe_path=args.config, extra_args=extra)
+    except UserError as error:
+        return report(error)
     except ValueError as e:
         print(f"finetune plan: {e}", file=sys.stderr)
         return 2
@@ -49,14 +52,13 @@ def add_plan(subparsers) -> None:
 
 
 def _run_merge(args: argparse.Namespace, extra: list[str]) -> int:
-    from finetune.errors import UserError
+    from finetune.errors import UserError, report
     from finetune.merge import merge_adapter
 
     try:
         print(f"merged model written to {merge_adapter(args.adapter_dir, args.output_dir, args.base_model)}")
     except UserError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+        return report(error)
     return 0
 
 
@@ -70,13 +72,12 @@ def add_merge(subparsers) -> None:
 
 def _run_launch(args: argparse.Namespace, extra: list[str]) -> int:
     from finetune import launch
-    from finetune.errors import UserError
+    from finetune.errors import UserError, report
 
     try:
         launch.main(extra)
     except UserError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+        return report(error)
 
 
 def add_launch(subparsers) -> None:

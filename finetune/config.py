@@ -5,6 +5,7 @@ fix; `scripts/sft.py` prints it and exits non-zero without a traceback.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -168,7 +169,8 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true" and deepspeed_file:
         read_deepspeed_config(deepspeed_file)  # before TrainingArguments reads it and fails with a message of its own
     try:
-        script, training, model, finetune = parser.parse_args_into_dataclasses(args=argv)
+        with cpu.cpu_environment() if cpu.on_cpu() else contextlib.nullcontext():
+            script, training, model, finetune = parser.parse_args_into_dataclasses(args=argv)
     except SystemExit:
         raise UserError("command line: a flag has a missing or invalid value; see the message above for which.") from None
     except ValueError as error:
@@ -183,6 +185,9 @@ def apply_to_process(run: RunConfig) -> None:
     """The one step that changes the process for a run: the recipe's `env:` block, the CPU process group (FSDP over
     gloo), and the access token moved out of the arguments the Trainer saves."""
     os.environ.update(run.env)
+    if run.training.torch_compile and not run.training.gradient_checkpointing:
+        # accelerate compiles each decoder layer once and reuses it (see train.compile_per_layer)
+        os.environ.setdefault("ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION", "true")
     if cpu.on_cpu():
         cpu.prepare_cpu_process_group()
     _keep_token_out_of_saved_arguments(run.training)

@@ -20,7 +20,7 @@ SHIPPED_DIR = Path(__file__).parent / "shipped"
 
 def shipped(relative: str) -> Path:
     """A shipped file by its path in the repository (`recipes/llama-3.2-1b/full.yaml`, `data/sample`)."""
-    return SHIPPED_DIR / relative
+    return (SHIPPED_DIR / relative).resolve()
 
 
 def read_yaml_mapping(file: str, kind: str, where_to_find: str) -> dict:
@@ -39,12 +39,13 @@ def read_yaml_mapping(file: str, kind: str, where_to_find: str) -> dict:
     return values
 
 
-def read_recipe(recipe_path: str) -> dict:
-    """A recipe's keys as written (TRL's flags plus finetune's own, and an optional `env:` mapping)."""
-    recipe = read_yaml_mapping(recipe_path, "recipe", "pass --config with the path of a file under recipes/")
+def read_recipe(recipe_path: str | Path, overrides: dict | None = None) -> dict:
+    """A recipe's keys as written (TRL's flags plus finetune's own, and an optional `env:` mapping), with `overrides`
+    (from `parse_overrides`) on top."""
+    recipe = read_yaml_mapping(str(recipe_path), "recipe", "pass --config with the path of a file under recipes/")
     if not isinstance(recipe.get("env") or {}, dict):
         raise UserError(f"{recipe_path}: `env` must be a mapping of VARIABLE: value lines; rewrite it as one.")
-    return recipe
+    return {**recipe, **(overrides or {})}
 
 
 def _parse_value(text: str):

@@ -5,6 +5,7 @@ On CPU the run trains in float32 with the GPU-only kernels swapped for portable 
 turned into a gloo process group (accelerate would otherwise start N independent single-process runs).
 """
 
+import contextlib
 import logging
 import os
 
@@ -38,15 +39,38 @@ def cpu_overrides(values: dict) -> dict:
     return overrides
 
 
+# What accelerate must read on CPU, where mixed precision is float32. The training arguments read it when they are
+# built (as their `mixed_precision`) and the Trainer's Accelerator reads it again.
+CPU_ENVIRONMENT = {"ACCELERATE_MIXED_PRECISION": "no"}
+
+
+@contextlib.contextmanager
+def cpu_environment():
+    """The CPU's environment while the training arguments are built, restored afterwards: parsing changes nothing."""
+    saved = {key: os.environ.get(key) for key in CPU_ENVIRONMENT}
+    os.environ.update(CPU_ENVIRONMENT)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 def prepare_cpu_process_group() -> None:
     """Make a launch of N processes on a machine without a GPU one distributed run over gloo, in float32.
 
     The training arguments (`use_cpu`) have already created accelerate's state as a gloo process group; an FSDP
-    launch then needs that state switched to FSDP before the Trainer builds its Accelerator from it.
+    launch then needs that state switched to FSDP before the Trainer builds its Accelerator from it: accelerate 1.15
+    switches to FSDP only from a GPU-type state and on CPU (MULTI_CPU) would wrap the model in DDP.
     """
-    os.environ["ACCELERATE_MIXED_PRECISION"] = "no"
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and fsdp_requested():
-        configure_fsdp_on_cpu()
+    os.environ.update(CPU_ENVIRONMENT)
+    if fsdp_shim_enabled():
+        from finetune import patches
+
+        patches.switch_cpu_state_to_fsdp()
 
 
 # Set to 0 to leave an FSDP launch on CPU to accelerate alone (it then runs as DDP, which the setup check refuses).
@@ -59,21 +83,3 @@ def fsdp_requested() -> bool:
 
 def fsdp_shim_enabled() -> bool:
     return fsdp_requested() and int(os.environ.get("WORLD_SIZE", "1")) > 1 and os.environ.get(FSDP_SHIM_ENV, "1") != "0"
-
-
-def configure_fsdp_on_cpu() -> None:
-    """Set accelerate's state to FSDP over gloo, with the plugin built from the launch's FSDP_* variables.
-
-    accelerate 1.15 switches to FSDP only from a GPU-type state; on CPU (MULTI_CPU) it ignores the FSDP plugin and
-    wraps the model in DDP. The Trainer's Accelerator reuses the state set here.
-    """
-    if not fsdp_shim_enabled():
-        return
-    from accelerate.state import AcceleratorState, PartialState
-    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, TorchDynamoPlugin
-
-    plugin = FullyShardedDataParallelPlugin()
-    state = AcceleratorState(cpu=True, dynamo_plugin=TorchDynamoPlugin(), fsdp_plugin=plugin, _from_accelerator=True)
-    state.distributed_type = DistributedType.FSDP
-    state.fsdp_plugin = plugin
-    PartialState._shared_state["distributed_type"] = DistributedType.FSDP

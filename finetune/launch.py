@@ -17,7 +17,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from finetune.config_files import read_deepspeed_config, read_yaml_mapping, shipped
+from finetune.config_files import parse_overrides, read_deepspeed_config, read_recipe, read_yaml_mapping, shipped
 from finetune.errors import UserError
 
 SFT_SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "sft.py"
@@ -68,7 +68,7 @@ def planned_config(sft_args: list[str], nodes: int) -> tuple[str | None, int]:
     recipe = sft_args[sft_args.index("--config") + 1]
     overrides = [arg for arg in sft_args if arg not in ("--config", recipe)]
     memory_gib = torch.cuda.get_device_properties(0).total_memory / 2**30
-    result = plan.plan(plan.read_recipe(recipe, plan.parse_overrides(overrides)), gpus=gpus,
+    result = plan.plan(read_recipe(recipe, parse_overrides(overrides)), gpus=gpus,
                        gpu=torch.cuda.get_device_name(0), gpu_memory_gib=memory_gib, nodes=nodes, recipe_path=recipe)
     print(plan.format_plan(result), flush=True)
     if not result.fits:

@@ -21,13 +21,11 @@ and shrink against each other and the peak is at one end of the backward pass.
 
 from __future__ import annotations
 
-import json
 import math
 import shlex
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
 
-from finetune.architectures import HUB_ID_TO_ARCHITECTURE, MODEL_CONFIGS_DIR
+from finetune.architectures import config_values
 
 GIB = 1024**3
 
@@ -107,18 +105,10 @@ def architecture_from_config(values: dict, name: str = "") -> Architecture:
     )
 
 
-def load_architecture(model_name_or_path: str) -> Architecture:
-    """From the project's copy of a known hub config, or from a local folder's config.json. Never downloads."""
-    name = HUB_ID_TO_ARCHITECTURE.get(model_name_or_path, model_name_or_path)
-    stored = MODEL_CONFIGS_DIR / f"{name}.json"
-    if stored.is_file():
-        return architecture_from_config(json.loads(stored.read_text()), name)
-    local = Path(model_name_or_path) / "config.json"
-    if local.is_file():
-        return architecture_from_config(json.loads(local.read_text()), Path(model_name_or_path).name)
-    raise ValueError(
-        f"Unknown model {model_name_or_path!r}: not one of {sorted(HUB_ID_TO_ARCHITECTURE)} and no config.json there."
-    )
+def architecture_of(model_name_or_path: str) -> Architecture:
+    """The planner's numbers for a known hub id or a local folder with a config.json. Never downloads."""
+    name, values = config_values(model_name_or_path)
+    return architecture_from_config(values, name)
 
 
 # ---- Parameter counts --------------------------------------------------------------------------------------------
@@ -233,43 +223,6 @@ def setup_from_recipe(values: dict) -> Setup:
         attn_implementation=str(values.get("attn_implementation") or "sdpa"),
         torch_compile=_as_bool(values.get("torch_compile", False)),
     )
-
-
-def _parse_value(text: str):
-    low = text.lower()
-    if low in ("true", "false"):
-        return low == "true"
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return text
-
-
-def parse_overrides(argv: list[str]) -> dict:
-    """`--max_length 4096 --gradient_checkpointing false --lora_target_modules q_proj v_proj` -> a dict."""
-    out, key = {}, None
-    for token in argv:
-        if token.startswith("--"):
-            key, _, inline = token[2:].partition("=")
-            key = key.replace("-", "_")
-            out[key] = _parse_value(inline) if inline else True
-            if inline:
-                key = None
-        elif key is not None:
-            prev = out[key]
-            value = _parse_value(token)
-            out[key] = value if prev is True else (list(prev) if isinstance(prev, list) else [prev]) + [value]
-    return out
-
-
-def read_recipe(path: str | Path, overrides: dict | None = None) -> dict:
-    import yaml  # a flat YAML file, as trl.TrlParser reads it
-
-    values = yaml.safe_load(Path(path).read_text()) or {}
-    values.update(overrides or {})
-    return values
 
 
 # ---- Trainable parameters ----------------------------------------------------------------------------------------
@@ -440,73 +393,119 @@ class Estimate:
         return self.per_gpu / GIB
 
 
+@dataclass(frozen=True)
+class Sizes:
+    """What every technique's estimate starts from, in parameters and bytes."""
+
+    world: int  # GPUs in total
+    parameters: int
+    trainable: int
+    full: bool
+    trainable_bytes: int  # bytes per trainable parameter as the technique keeps it
+    frozen_bytes: float  # the frozen base of a LoRA/QLoRA run
+    largest_layer_bytes: float  # one decoder layer gathered in bf16 for compute
+    root_unit_bytes: float  # FSDP2's root unit (embeddings, LM head, norm) stays gathered forward and backward
+    bucket_bytes: float  # DeepSpeed's "auto" reduce bucket
+    prefetch_bytes: float  # DeepSpeed's "auto" stage-3 prefetch bucket
+
+
+def ddp_memory(sizes: Sizes, setup: Setup) -> tuple[dict[str, float], float]:
+    """Every GPU holds the whole model, its gradients and optimizer states; the parts and the gradient bytes."""
+    weights = sizes.parameters * sizes.trainable_bytes if sizes.full else (
+        sizes.frozen_bytes + sizes.trainable * sizes.trainable_bytes)
+    parts = {"weights": weights, "optimizer": sizes.trainable * optimizer_bytes_per_param(setup, sizes.trainable_bytes)}
+    gradients = sizes.trainable * sizes.trainable_bytes
+    if sizes.world > 1:
+        parts["ddp_buckets"] = gradients  # DDP's flat all-reduce buckets: a second copy of the gradients
+    return parts, gradients
+
+
+def zero2_memory(sizes: Sizes, setup: Setup) -> tuple[dict[str, float], float]:
+    """DeepSpeed bf16: 16-bit weights everywhere; fp32 master weights + Adam states and fp32 gradients of the rank's
+    partition; bf16 gradients reduced through buckets into the partition."""
+    parts = {
+        "weights": sizes.parameters * 2 if sizes.full else sizes.frozen_bytes + sizes.trainable * 2,
+        "optimizer": sizes.trainable * (4 + optimizer_bytes_per_param(setup, 4)) / sizes.world,
+        "fp32_grad_partition": sizes.trainable * 4 / sizes.world,
+        "buckets": 2 * sizes.bucket_bytes,
+    }
+    return parts, sizes.trainable * 2 / sizes.world
+
+
+def fsdp2_memory(sizes: Sizes, setup: Setup) -> tuple[dict[str, float], float]:
+    """Weights, gradients and optimizer states sharded; the current and the prefetched layer gathered."""
+    sharded = sizes.world > 1
+    frozen = 0 if sizes.full else sizes.frozen_bytes
+    parts = {
+        "weights": (frozen + sizes.trainable * sizes.trainable_bytes) / sizes.world,
+        "optimizer": sizes.trainable * optimizer_bytes_per_param(setup, sizes.trainable_bytes) / sizes.world,
+        "gathered": (2 * sizes.largest_layer_bytes + sizes.root_unit_bytes) if sharded else 0,
+    }
+    unsharded_to_reduce = 2 * sizes.largest_layer_bytes if sizes.full and sharded else 0
+    return parts, sizes.trainable * sizes.trainable_bytes / sizes.world + unsharded_to_reduce
+
+
+def zero3_memory(sizes: Sizes, setup: Setup) -> tuple[dict[str, float], float]:
+    """ZeRO-2's partitions plus 16-bit weights sharded; layers gathered as they run."""
+    weights = sizes.parameters * 2 if sizes.full else sizes.frozen_bytes + sizes.trainable * 2
+    parts = {
+        "weights": weights / sizes.world,
+        "optimizer": sizes.trainable * (4 + optimizer_bytes_per_param(setup, 4)) / sizes.world,
+        "fp32_grad_partition": sizes.trainable * 4 / sizes.world,
+        "gathered": (2 * sizes.largest_layer_bytes + sizes.prefetch_bytes) if sizes.world > 1 else 0,
+        "buckets": 2 * sizes.bucket_bytes,
+    }
+    return parts, sizes.trainable * 2 / sizes.world
+
+
+def zero3_offload_memory(sizes: Sizes, setup: Setup) -> tuple[dict[str, float], float]:
+    """Weights, fp32 master and Adam states live in CPU memory; the GPU gathers layers as it goes."""
+    parts = {
+        "gathered": 2 * sizes.largest_layer_bytes + sizes.root_unit_bytes + sizes.prefetch_bytes,
+        "buckets": 2 * sizes.bucket_bytes,
+    }
+    return parts, 2 * sizes.bucket_bytes
+
+
+TECHNIQUE_MEMORY = {"ddp": ddp_memory, "zero2": zero2_memory, "fsdp2": fsdp2_memory, "zero3": zero3_memory,
+                    "zero3_offload": zero3_offload_memory}
+
+
 def estimate(a: Architecture, s: Setup, technique: str, world: int) -> Estimate:
     """Per-GPU peak for one technique on `world` GPUs in total."""
-    n = max(world, 1)
-    params = total_params(a)
-    trainable = trainable_params(a, s)
-    full = s.method == "full"
-    pbytes = trainable_bytes(s, technique)
-    largest_layer = layer_params(a) * 2  # gathered in bf16 for compute
-    root = embedding_params(a) * 2  # FSDP2's root unit (embeddings, LM head, norm) stays gathered forward+backward
-    bucket = DS_BUCKET_ELEMENTS_PER_H2 * a.hidden**2 * 2
+    if technique not in TECHNIQUE_MEMORY:
+        raise ValueError(f"unknown technique {technique!r}")
+    deepspeed = technique.startswith("zero")
+    sizes = Sizes(
+        world=max(world, 1),
+        parameters=total_params(a),
+        trainable=trainable_params(a, s),
+        full=s.method == "full",
+        trainable_bytes=2 if deepspeed else trainable_bytes(s, technique),
+        frozen_bytes=frozen_weight_bytes(a, s),
+        largest_layer_bytes=layer_params(a) * 2,
+        root_unit_bytes=embedding_params(a) * 2,
+        bucket_bytes=DS_BUCKET_ELEMENTS_PER_H2 * a.hidden**2 * 2,
+        prefetch_bytes=DS_PREFETCH_PER_H2 * a.hidden**2 * 2,
+    )
     supported, note = True, ""
     if s.method == "qlora" and technique in ("fsdp2", "zero3", "zero3_offload"):
         supported, note = False, "4-bit weights cannot be sharded here"
-
-    parts: dict[str, float] = {}
-    if technique == "ddp":
-        parts["weights"] = params * pbytes if full else frozen_weight_bytes(a, s) + trainable * pbytes
-        parts["optimizer"] = trainable * optimizer_bytes_per_param(s, pbytes)
-        grads = trainable * pbytes
-        if n > 1:
-            parts["ddp_buckets"] = grads  # DDP's flat all-reduce buckets: a second copy of the gradients
-    elif technique == "zero2":
-        # DeepSpeed bf16: 16-bit weights everywhere; fp32 master weights + Adam states and fp32 gradients of the
-        # rank's partition; bf16 gradients reduced through buckets into the partition.
-        pbytes = 2
-        parts["weights"] = params * 2 if full else frozen_weight_bytes(a, s) + trainable * 2
-        parts["optimizer"] = trainable * (4 + optimizer_bytes_per_param(s, 4)) / n
-        parts["fp32_grad_partition"] = trainable * 4 / n
-        parts["buckets"] = 2 * bucket
-        grads = trainable * 2 / n
-    elif technique == "fsdp2":
-        frozen = 0 if full else frozen_weight_bytes(a, s)
-        parts["weights"] = (frozen + trainable * pbytes) / n
-        parts["optimizer"] = trainable * optimizer_bytes_per_param(s, pbytes) / n
-        parts["gathered"] = (2 * largest_layer + root) if n > 1 else 0  # current + prefetched layer, root unit
-        grads = trainable * pbytes / n + (2 * largest_layer if full and n > 1 else 0)  # unsharded grads to reduce
-    elif technique == "zero3":
-        pbytes = 2
-        parts["weights"] = (params * 2 if full else frozen_weight_bytes(a, s) + trainable * 2) / n
-        parts["optimizer"] = trainable * (4 + optimizer_bytes_per_param(s, 4)) / n
-        parts["fp32_grad_partition"] = trainable * 4 / n
-        parts["gathered"] = (2 * largest_layer + DS_PREFETCH_PER_H2 * a.hidden**2 * 2) if n > 1 else 0
-        parts["buckets"] = 2 * bucket
-        grads = trainable * 2 / n
-    elif technique == "zero3_offload":
-        # Weights, fp32 master and Adam states live in CPU memory; the GPU gathers layers as it goes.
-        pbytes = 2
-        parts["gathered"] = 2 * largest_layer + root + DS_PREFETCH_PER_H2 * a.hidden**2 * 2
-        parts["buckets"] = 2 * bucket
-        grads = 2 * bucket
-    else:
-        raise ValueError(f"unknown technique {technique!r}")
+    parts, grads = TECHNIQUE_MEMORY[technique](sizes, s)
 
     acts = activation_bytes(a, s)
     # The peak is at one end of the backward pass (see the module docstring):
     #   start: every saved activation + the LM head's loss buffers (its fp32 weight gradient among them);
     #   end:   every gradient + the recomputed layer (checkpointing) + one layer's backward transients.
     # With checkpointing the start also runs the last layer's recomputation before any layer gradient exists.
-    head_trainable = full
-    start = acts["saved"] + loss_buffer_bytes(a, s, head_trainable)
+    start = acts["saved"] + loss_buffer_bytes(a, s, lm_head_trainable=sizes.full)
     if s.gradient_checkpointing:
         start = max(start, acts["saved"] + acts["recompute"] + acts["backward_transient"])
     end = grads + acts["recompute"] + acts["backward_transient"]
     parts["activations_and_grads"] = max(start, end)
     allocated = sum(parts.values())
     reserved = allocated * FRAGMENTATION
-    overhead = (CUDA_CONTEXT_GIB + (NCCL_GIB if n > 1 else 0)) * GIB
+    overhead = (CUDA_CONTEXT_GIB + (NCCL_GIB if sizes.world > 1 else 0)) * GIB
     if technique == "zero3_offload":
         overhead += 0.5 * GIB  # pinned staging buffers for the CPU <-> GPU copies
     return Estimate(technique, parts, allocated, reserved, reserved + overhead, supported, note)
@@ -628,7 +627,7 @@ def suggestions(a: Architecture, s: Setup, world: int, gpus_per_node: int, budge
 def plan(recipe_values: dict, gpus: int, gpu: str | None = None, gpu_memory_gib: float | None = None,
          nodes: int = 1, recipe_path: str = "RECIPE", extra_args: list[str] | None = None) -> Plan:
     s = setup_from_recipe(recipe_values)
-    a = load_architecture(s.model)
+    a = architecture_of(s.model)
     gpu_name, memory = resolve_gpu(gpu, gpu_memory_gib)
     world = gpus * nodes
     budget = memory * GIB * SAFETY_MARGIN

@@ -5,11 +5,12 @@ The tokenizers are 1000-token byte-level BPEs trained by `scripts/build_tiny_ass
 recipes' chat formatting, loss masking and stopping behave as they would with the hub checkpoints.
 """
 
-import contextlib
 from pathlib import Path
 
 import trl
 from transformers import PreTrainedTokenizerFast
+
+from finetune import patches
 
 TINY_TOKENIZERS_DIR = Path(__file__).parent / "tiny_tokenizers"
 TRL_CHAT_TEMPLATES_DIR = Path(trl.__file__).parent / "chat_templates"
@@ -79,21 +80,6 @@ def tiny_config(family: str, tokenizer: PreTrainedTokenizerFast):
     return config
 
 
-@contextlib.contextmanager
-def _whole_parameters():
-    """Under a ZeRO-3 launch (zero3_init_flag), `from_config` creates the model inside deepspeed.zero.Init, whose
-    parameters are empty placeholders for the rank's partition: saved, they would make an empty tiny model. The
-    folder is written with transformers' ZeRO-3 switch off (it is only the flag transformers consults)."""
-    from transformers.integrations import deepspeed as hf_deepspeed
-
-    saved = hf_deepspeed._hf_deepspeed_config_weak_ref
-    hf_deepspeed.unset_hf_deepspeed_config()
-    try:
-        yield
-    finally:
-        hf_deepspeed._hf_deepspeed_config_weak_ref = saved
-
-
 def tiny_model_folder(family: str) -> Path:
     """A folder holding the tiny model and tokenizer of a family, built once per version and reused.
 
@@ -119,7 +105,7 @@ def tiny_model_folder(family: str) -> Path:
     cache.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=cache, prefix=f".{family}-"))
     torch.manual_seed(TINY_MODEL_SEED)
-    with _whole_parameters():
+    with patches.zero3_init_off():
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id, eos_token_id=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id

@@ -2,21 +2,17 @@
 resume from the output folder, a generation config that stops, a record of the run, and a loss-curve PNG.
 """
 
-import atexit
 import json
 import logging
 import os
-import sys
-from functools import partial
 from pathlib import Path
 
 import torch
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel, TrainerCallback
-from transformers.modeling_layers import GradientCheckpointingLayer
 from trl import SFTTrainer
 
-from finetune import checkpoints
+from finetune import checkpoints, patches
 from finetune import model as model_loading
 from finetune.config import RUN_RECORD, RunConfig, run_identity
 from finetune.config_files import accelerate_config_file, requested_strategy
@@ -104,8 +100,7 @@ def compile_per_layer(training) -> list[TrainerCallback]:
     if not training.torch_compile:
         return []
     if not training.gradient_checkpointing:
-        os.environ.setdefault("ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION", "true")
-        return []
+        return []  # config.apply_to_process asked accelerate for regional compilation
     inside = CompileInsideCheckpoints(training.torch_compile_backend, training.torch_compile_mode)
     training.torch_compile, training.torch_compile_backend, training.torch_compile_mode = False, None, None
     return [inside]
@@ -115,30 +110,34 @@ def _call(function, *args):
     return function(*args)
 
 
-def _checkpoint_compiled(checkpoint, compiled_call, function, *args):
-    # Reentrant: the backward reruns the layer and differentiates that rerun. Non-reentrant checkpointing instead
-    # requires the rerun to save tensors shaped like the forward's, which two compiled graphs need not do (GPT-OSS
-    # with expert LoRA on an H200: CheckpointError "Recomputed values ... have different metadata").
-    return checkpoint(compiled_call, function, *args, use_reentrant=True)
-
-
 class CompileInsideCheckpoints(TrainerCallback):
     """Once the Trainer has switched checkpointing on, every checkpointed layer runs checkpoint(compiled(layer))
-    rather than compiled(checkpoint(layer)): one compiled function for all layers, so the layer compiles once."""
+    (finetune/patches.py: compile_inside_checkpoints)."""
 
     def __init__(self, backend: str | None, mode: str | None):
         self.compiled_call = torch.compile(_call, backend=backend or "inductor", mode=mode)
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        for module in model.modules():
-            checkpoint = getattr(module, "_gradient_checkpointing_func", None)
-            if isinstance(module, GradientCheckpointingLayer) and getattr(checkpoint, "func", None) is not _checkpoint_compiled:
-                module._gradient_checkpointing_func = partial(_checkpoint_compiled, checkpoint, self.compiled_call)
+        patches.compile_inside_checkpoints(model, self.compiled_call)
+
+
+class FinetuneTrainer(SFTTrainer):
+    """TRL's SFTTrainer with preemption-safe checkpoints: complete-or-skipped saves and SIGTERM as a save
+    (finetune/checkpoints.py)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.last_save_seconds = 0.0
+        self.preemption = checkpoints.Preemption(self)
+        self.add_callback(self.preemption)
+
+    def _save_checkpoint(self, model, trial=None):
+        checkpoints.save_checkpoint_completely(self, super()._save_checkpoint, model, trial)
 
 
 def build_trainer(run: RunConfig, model: PreTrainedModel, tokenizer, train_set, eval_set) -> SFTTrainer:
     model_loading.fix_generation_config(model, tokenizer)
-    trainer = SFTTrainer(
+    trainer = FinetuneTrainer(
         model=model,
         args=run.training,
         train_dataset=train_set,
@@ -148,7 +147,6 @@ def build_trainer(run: RunConfig, model: PreTrainedModel, tokenizer, train_set, 
         callbacks=compile_per_layer(run.training),
     )
     trainer.add_callback(SetupCheck(trainer, accelerate_config_file()))
-    checkpoints.make_preemption_safe(trainer)  # completeness markers, safe rotation, SIGTERM saves
     return trainer
 
 
@@ -181,16 +179,13 @@ def finish_run(trainer: SFTTrainer) -> None:
     """Every rank waits for the main one's writes and accelerate closes the process group; a process of a
     multi-process run then exits without the interpreter's teardown. gloo's worker threads outlive
     destroy_process_group, and their destruction during finalization aborted a finished rank about once in a hundred
-    CPU launches ("terminate called without an active exception", pytorch/pytorch#190489), failing the launch."""
+    CPU launches ("terminate called without an active exception", pytorch/pytorch#190489; finetune/patches.py)."""
     accelerator = trainer.accelerator
     accelerator.wait_for_everyone()
     processes = accelerator.num_processes
     accelerator.end_training()
     if processes > 1:
-        atexit._run_exitfuncs()  # what a normal exit runs first: logging, trackers (wandb finishes its run here)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        patches.exit_without_teardown()
 
 
 def save_loss_plot(log_history: list[dict], path: Path) -> None:

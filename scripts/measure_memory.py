@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from finetune import plan as planner  # noqa: E402  (json only: cheap)
+from finetune.architectures import MODEL_CONFIGS_DIR  # noqa: E402
 
 GIB = 1024**3
 
@@ -79,7 +80,7 @@ def recipe_values(case: dict) -> dict:
 def estimate_for(case: dict, config_values: dict | None = None) -> planner.Estimate:
     values = recipe_values(case)
     setup = planner.setup_from_recipe(values)
-    arch = planner.architecture_from_config(config_values) if config_values else planner.load_architecture(case["arch"])
+    arch = planner.architecture_from_config(config_values) if config_values else planner.architecture_of(case["arch"])
     return planner.estimate(arch, setup, "ddp", 1)
 
 
@@ -108,7 +109,7 @@ def run_case(case: dict) -> dict:
 
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
-    config_values = json.loads((planner.MODEL_CONFIGS_DIR / f"{case['arch']}.json").read_text())
+    config_values = json.loads((MODEL_CONFIGS_DIR / f"{case['arch']}.json").read_text())
     config_values.pop("torch_dtype", None)
     if case["tiny"]:
         config_values = tiny_config(config_values)
@@ -220,7 +221,7 @@ def add_estimate(row: dict) -> dict:
     case = {k: row[k] for k in ("arch", "method", "batch", "seq", "ckpt", "tiny")}
     cfg = None
     if case["tiny"]:
-        cfg = tiny_config(json.loads((planner.MODEL_CONFIGS_DIR / f"{case['arch']}.json").read_text()))
+        cfg = tiny_config(json.loads((MODEL_CONFIGS_DIR / f"{case['arch']}.json").read_text()))
     e = estimate_for(case, cfg)
     row["estimated_allocated_gib"] = e.allocated / GIB
     row["estimated_reserved_gib"] = e.reserved / GIB

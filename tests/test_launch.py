@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from finetune import launch, plan
+from finetune.config_files import read_recipe
 from tests.helpers import ROOT, free_port, printed_setup
 
 FINETUNE = str(Path(sys.executable).with_name("finetune"))
@@ -52,7 +53,7 @@ def flag(command: list[str], name: str) -> str | None:
 def test_launch_without_a_config_file_uses_the_planners_choice_for_the_gpus_it_sees(gpus, recipe, count, technique):
     gpus(count)
     command = launch.accelerate_command(["--config", recipe, "--max_steps", "5"])
-    chosen = plan.plan(plan.read_recipe(ROOT / recipe, {"max_steps": 5}), gpus=count, gpu_memory_gib=H200_BYTES / 2**30)
+    chosen = plan.plan(read_recipe(ROOT / recipe, {"max_steps": 5}), gpus=count, gpu_memory_gib=H200_BYTES / 2**30)
     assert chosen.technique == technique
     assert flag(command, "--config_file") == str(ROOT / plan.CONFIG_FILES[technique])
     assert flag(command, "--num_processes") == str(count)

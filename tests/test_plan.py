@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 
 from finetune import plan as P
+from finetune.config_files import parse_overrides, read_recipe
 from tests.helpers import ROOT
 
 RECIPES = sorted((ROOT / "recipes").glob("*/*.yaml"))
@@ -51,7 +52,7 @@ def test_parameter_count_matches_the_real_architecture(name):
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(load_architecture(name))
-    assert P.total_params(P.load_architecture(name)) == sum(p.numel() for p in model.parameters())
+    assert P.total_params(P.architecture_of(name)) == sum(p.numel() for p in model.parameters())
 
 
 def test_full_bf16_ddp_on_one_gpu_counts_2_bytes_weights_and_4_bytes_adam_states():
@@ -92,7 +93,7 @@ def test_lora_trains_only_the_adapters_in_fp32():
 
 
 def test_qlora_stores_quantized_linears_in_about_half_a_byte():
-    a = P.load_architecture("llama-3.2-3b")
+    a = P.architecture_of("llama-3.2-3b")
     lora = P.frozen_weight_bytes(a, setup(method="lora"))
     qlora = P.frozen_weight_bytes(a, setup(method="qlora"))
     linear = a.layers * P.linear_params_per_layer(a)
@@ -100,7 +101,7 @@ def test_qlora_stores_quantized_linears_in_about_half_a_byte():
 
 
 def test_activations_grow_with_tokens_and_checkpointing_shrinks_them():
-    a = P.load_architecture("llama-3.2-1b")
+    a = P.architecture_of("llama-3.2-1b")
     short, long = P.activation_bytes(a, setup(max_length=1024)), P.activation_bytes(a, setup(max_length=2048))
     assert long["saved"] == pytest.approx(2 * short["saved"])
     ckpt = P.activation_bytes(a, setup(max_length=2048, gradient_checkpointing=True))
@@ -134,11 +135,11 @@ def test_dense_layer_activation_formula_matches_the_saved_tensors_of_the_real_la
             model(input_ids=torch.randint(0, 256, (1, 64)), use_cache=False)
         sizes[layers] = sum(seen.values())
     measured_per_token = (sizes[2] - sizes[1]) / 64
-    assert P.layer_activation_bytes_per_token(P.load_architecture("llama-3.2-1b"), setup()) == measured_per_token
+    assert P.layer_activation_bytes_per_token(P.architecture_of("llama-3.2-1b"), setup()) == measured_per_token
 
 
 def test_moe_weights_count_every_expert_but_activations_only_the_active_ones():
-    a = P.load_architecture("gpt-oss-20b")
+    a = P.architecture_of("gpt-oss-20b")
     fewer = replace(a, experts=a.experts // 2)
     assert P.total_params(a) > 20e9 and P.total_params(a) - P.total_params(fewer) > 9e9
     active = replace(a, experts_per_token=a.experts_per_token * 2)
@@ -150,8 +151,8 @@ def test_moe_weights_count_every_expert_but_activations_only_the_active_ones():
 
 def test_compiled_gpt_oss_plan_matches_the_h200_with_and_without_checkpointing():
     """Fitted to the run without checkpointing (60.6 GiB); the checkpointed run (41.6 GiB) is the independent check."""
-    a = P.load_architecture("gpt-oss-20b")
-    s = P.setup_from_recipe(P.read_recipe(ROOT / "recipes/gpt-oss-20b/lora.yaml"))
+    a = P.architecture_of("gpt-oss-20b")
+    s = P.setup_from_recipe(read_recipe(ROOT / "recipes/gpt-oss-20b/lora.yaml"))
     assert s.torch_compile and not s.lora_target_parameters and s.batch == 4 and s.max_length == 2048
     for checkpointing, measured_gib in ((False, 60.6), (True, 41.6)):
         planned = P.estimate(a, replace(s, gradient_checkpointing=checkpointing), "ddp", 1).allocated / GIB
@@ -170,20 +171,20 @@ def test_a_local_model_folder_is_read_from_its_config_json(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
                                                       "num_attention_heads": 4, "num_key_value_heads": 2,
                                                       "intermediate_size": 128, "vocab_size": 100}))
-    a = P.load_architecture(str(tmp_path))
+    a = P.architecture_of(str(tmp_path))
     assert (a.hidden, a.layers, a.head_dim, a.kv_dim) == (64, 2, 16, 32)
 
 
 # ---- choices ------------------------------------------------------------------------------------------------------
 def test_gpt_oss_120b_lora_on_8_h100_is_never_ddp():
-    p = P.plan(P.read_recipe(ROOT / "recipes/gpt-oss-120b/lora.yaml"), gpus=8, gpu="H100")
+    p = P.plan(read_recipe(ROOT / "recipes/gpt-oss-120b/lora.yaml"), gpus=8, gpu="H100")
     assert p.technique not in ("ddp", "zero2")
     assert p.estimates["ddp"].per_gpu_gib > 80
 
 
 def test_llama_3b_lora_on_8_a10_is_ddp(tmp_path):
     path = recipe(tmp_path, use_peft=True, lora_target_modules="all-linear", gradient_checkpointing=True, lora_r=16)
-    p = P.plan(P.read_recipe(path), gpus=8, gpu="A10", recipe_path=str(path))
+    p = P.plan(read_recipe(path), gpus=8, gpu="A10", recipe_path=str(path))
     assert p.technique == "ddp" and p.fits
     assert p.command.startswith("accelerate launch --config_file accelerate_configs/ddp.yaml")
     assert "--num_processes 8 scripts/sft.py --config" in p.command
@@ -191,32 +192,32 @@ def test_llama_3b_lora_on_8_a10_is_ddp(tmp_path):
 
 def test_full_3b_on_8_a10_needs_sharding(tmp_path):
     path = recipe(tmp_path, per_device_train_batch_size=1, gradient_checkpointing=True)
-    p = P.plan(P.read_recipe(path), gpus=8, gpu="A10")
+    p = P.plan(read_recipe(path), gpus=8, gpu="A10")
     assert p.fits and p.technique in ("zero2", "fsdp2", "zero3")
 
 
 def test_too_large_reports_nothing_fits_with_suggestions(tmp_path):
     path = recipe(tmp_path, max_length=4096, per_device_train_batch_size=4)
-    p = P.plan(P.read_recipe(path), gpus=1, gpu="A10")
+    p = P.plan(read_recipe(path), gpus=1, gpu="A10")
     assert not p.fits and p.technique is None and p.command is None
     text = " ".join(p.suggestions)
     assert "--gradient_checkpointing true" in text and "--max_length" in text
     shorter = int(text.split("--max_length ")[1].split()[0])
-    assert P.plan(P.read_recipe(path, {"max_length": shorter}), gpus=1, gpu="A10").fits
+    assert P.plan(read_recipe(path, {"max_length": shorter}), gpus=1, gpu="A10").fits
     # full fine-tuning whose weights + Adam states alone overflow the card, even offloading needs LoRA
-    tight = P.plan(P.read_recipe(path, {"per_device_train_batch_size": 1, "max_length": 1024}), gpus=1, gpu_memory_gib=6)
+    tight = P.plan(read_recipe(path, {"per_device_train_batch_size": 1, "max_length": 1024}), gpus=1, gpu_memory_gib=6)
     assert not tight.fits
 
 
 def test_qlora_is_never_sharded(tmp_path):
     path = recipe(tmp_path, use_peft=True, load_in_4bit=True, lora_target_modules="all-linear")
-    p = P.plan(P.read_recipe(path), gpus=8, gpu="L4")
+    p = P.plan(read_recipe(path), gpus=8, gpu="L4")
     assert not p.estimates["fsdp2"].supported and not p.estimates["zero3"].supported
     assert p.technique in (None, "ddp", "zero2")
 
 
 def test_multi_node_command_has_the_machine_flags(tmp_path):
-    p = P.plan(P.read_recipe(ROOT / "recipes/gpt-oss-120b/lora.yaml"), gpus=8, nodes=2, gpu="H100",
+    p = P.plan(read_recipe(ROOT / "recipes/gpt-oss-120b/lora.yaml"), gpus=8, nodes=2, gpu="H100",
                recipe_path="recipes/gpt-oss-120b/lora.yaml")
     assert ("--num_machines 2 --machine_rank $RANK --main_process_ip $MASTER_ADDR --main_process_port 29500 "
             "--num_processes 16 scripts/sft.py") in p.command
@@ -224,9 +225,9 @@ def test_multi_node_command_has_the_machine_flags(tmp_path):
 
 def test_overrides_change_the_estimate(tmp_path):
     path = recipe(tmp_path, gradient_checkpointing=True)
-    values = P.read_recipe(path, P.parse_overrides(["--max_length", "4096", "--gradient_checkpointing", "false"]))
+    values = read_recipe(path, parse_overrides(["--max_length", "4096", "--gradient_checkpointing", "false"]))
     assert values["max_length"] == 4096 and values["gradient_checkpointing"] is False
-    base = P.plan(P.read_recipe(path), gpus=1, gpu="H200").estimates["ddp"].per_gpu
+    base = P.plan(read_recipe(path), gpus=1, gpu="H200").estimates["ddp"].per_gpu
     assert P.plan(values, gpus=1, gpu="H200").estimates["ddp"].per_gpu > 2 * base
 
 
@@ -235,7 +236,7 @@ def test_every_recipe_answers_fast_on_every_gpu_count_and_kind(recipe_path):
     for gpu in ("A10", "H100", "H200"):
         for gpus in (1, 2, 8):
             t0 = time.perf_counter()
-            p = P.plan(P.read_recipe(recipe_path), gpus=gpus, gpu=gpu, recipe_path=str(recipe_path))
+            p = P.plan(read_recipe(recipe_path), gpus=gpus, gpu=gpu, recipe_path=str(recipe_path))
             assert time.perf_counter() - t0 < 2
             assert set(p.to_json()["per_gpu_gib"]) == set(P.TECHNIQUES)
             assert p.fits == (p.command is not None) and (p.fits or p.suggestions)

@@ -41,6 +41,7 @@ from pathlib import Path
 import pytest
 
 from finetune import plan
+from finetune.config_files import read_recipe
 from tests.helpers import ACCELERATE, ROOT, free_port
 
 pytestmark = pytest.mark.xdist_group("test_plan_sharding")  # one worker: its launches are module fixtures
@@ -79,8 +80,8 @@ def measured(request, tmp_path_factory):
 
 def planner_inputs(model_path: str) -> tuple[plan.Architecture, plan.Setup]:
     """The tiny model's architecture from its config.json, and the recipe as the CPU run has it (float32, no bf16)."""
-    a = plan.load_architecture(model_path)
-    s = plan.setup_from_recipe(plan.read_recipe(ROOT / RECIPE))
+    a = plan.architecture_of(model_path)
+    s = plan.setup_from_recipe(read_recipe(ROOT / RECIPE))
     return a, replace(s, dtype="float32", bf16=False, use_liger_kernel=False)
 
 

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from finetune.plan import read_recipe
+from finetune.architectures import model_family
+from finetune.config_files import read_recipe
 from tests.helpers import ROOT, launch_sft, printed_losses, printed_setup
 
 RECIPES = sorted(ROOT.glob("recipes/*/*.yaml"))
@@ -51,8 +52,7 @@ def reload_in_fresh_process(output_dir: Path, initial_model: Path) -> dict:
 
 
 def tiny_folder(tiny_model_cache: Path, recipe: Path) -> Path:
-    family = "gpt-oss" if "gpt-oss" in recipe.parent.name else "llama"
-    return next(tiny_model_cache.glob(f"{family}-*"))
+    return next(tiny_model_cache.glob(f"{model_family(read_recipe(recipe)['model_name_or_path'])}-*"))
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda path: f"{path.parent.name}/{path.stem}")
