@@ -23,6 +23,15 @@ def shipped(relative: str) -> Path:
     return (SHIPPED_DIR / relative).resolve()
 
 
+def local_or_shipped(path: str) -> str:
+    """The path as given when it exists from here, else the shipped file of that name (`recipes/...`,
+    `accelerate_configs/...`): a wheel install runs the shipped recipes and config files from any folder."""
+    if Path(path).is_absolute() or Path(path).exists():
+        return path
+    candidate = shipped(path)
+    return str(candidate) if candidate.exists() else path
+
+
 def read_yaml_mapping(file: str, kind: str, where_to_find: str) -> dict:
     """A flat YAML file (a recipe, an accelerate config), or a UserError naming the file and what to fix."""
     path = Path(file)
@@ -42,7 +51,7 @@ def read_yaml_mapping(file: str, kind: str, where_to_find: str) -> dict:
 def read_recipe(recipe_path: str | Path, overrides: dict | None = None) -> dict:
     """A recipe's keys as written (TRL's flags plus finetune's own, and an optional `env:` mapping), with `overrides`
     (from `parse_overrides`) on top."""
-    recipe = read_yaml_mapping(str(recipe_path), "recipe", "pass --config with the path of a file under recipes/")
+    recipe = read_yaml_mapping(local_or_shipped(str(recipe_path)), "recipe", "pass --config with the path of a file under recipes/")
     if not isinstance(recipe.get("env") or {}, dict):
         raise UserError(f"{recipe_path}: `env` must be a mapping of VARIABLE: value lines; rewrite it as one.")
     return {**recipe, **(overrides or {})}
@@ -93,7 +102,7 @@ def accelerate_config_file() -> str:
 
 
 def read_deepspeed_config(config_file: str) -> dict:
-    path = Path(config_file)
+    path = Path(local_or_shipped(config_file))
     if not path.is_file():
         raise UserError(
             f"{accelerate_config_file()}: deepspeed_config_file {config_file} "

@@ -15,23 +15,39 @@ import argparse
 import os
 import shlex
 import sys
+import tempfile
 from pathlib import Path
 
-from finetune.config_files import parse_overrides, read_deepspeed_config, read_recipe, read_yaml_mapping, shipped
+import yaml
+
+from finetune.config_files import (
+    local_or_shipped,
+    parse_overrides,
+    read_deepspeed_config,
+    read_recipe,
+    read_yaml_mapping,
+    shipped,
+)
 from finetune.errors import UserError
 
-SFT_SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "sft.py"
+SFT_SCRIPT = shipped("scripts/sft.py")
 # The `accelerate launch` flags this command understands; any other flag is scripts/sft.py's.
 LAUNCHER_FLAGS = ("config_file", "num_processes", "num_machines", "machine_rank", "main_process_ip",
                   "main_process_port")
 
 
-def check_accelerate_config(config_file: str) -> dict:
-    """The accelerate config file as accelerate will read it, or a UserError saying what to fix in it."""
+def check_accelerate_config(config_file: str) -> str:
+    """The accelerate config file to launch with, checked as accelerate will read it, or a UserError saying what to
+    fix in it. A shipped file stands in for a relative path missing here (outside the repository), and a DeepSpeed
+    JSON found that way is written into a copy of the file as an absolute path, since accelerate reads it from here."""
+    given = config_file
+    config_file = local_or_shipped(config_file)
     from accelerate.commands.config.config_args import load_config_from_file
     from accelerate.utils import DistributedType
 
     values = read_yaml_mapping(config_file, "accelerate config", "pass one of accelerate_configs/*.yaml")
+    if config_file != given:
+        config_file = _with_deepspeed_file_found(config_file, values)
     kinds = sorted(kind.value for kind in DistributedType)
     if values.get("distributed_type", "NO") not in kinds:
         raise UserError(
@@ -49,7 +65,18 @@ def check_accelerate_config(config_file: str) -> dict:
             keys = text.split("(", 1)[1].split(")", 1)[0]
             raise UserError(f"{config_file}: unknown keys {keys}; remove them or fix their spelling.") from None
         raise UserError(f"{config_file}: {text.rstrip('.')}; fix that field.") from None
-    return values
+    return config_file
+
+
+def _with_deepspeed_file_found(config_file: str, values: dict) -> str:
+    deepspeed = values.get("deepspeed_config") or {}
+    relative = deepspeed.get("deepspeed_config_file")
+    if not relative or local_or_shipped(relative) == relative:
+        return config_file
+    copy = Path(tempfile.mkdtemp(prefix="finetune-launch-")) / Path(config_file).name
+    copy.write_text(yaml.safe_dump({**values, "deepspeed_config": {**deepspeed,
+                                                                    "deepspeed_config_file": local_or_shipped(relative)}}))
+    return str(copy)
 
 
 def planned_config(sft_args: list[str], nodes: int) -> tuple[str | None, int]:
@@ -89,7 +116,7 @@ def accelerate_command(argv: list[str]) -> list[str]:
         parser.add_argument(f"--{flag}")
     launcher, sft_args = parser.parse_known_args(argv)
     if launcher.config_file:
-        check_accelerate_config(launcher.config_file)
+        launcher.config_file = check_accelerate_config(launcher.config_file)
     elif Path(default_config_file()).is_file():
         check_accelerate_config(default_config_file())  # what `accelerate launch` reads when given no file
     else:
