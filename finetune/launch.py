@@ -42,10 +42,10 @@ def check_accelerate_config(config_file: str) -> str:
     JSON found that way is written into a copy of the file as an absolute path, since accelerate reads it from here."""
     given = config_file
     config_file = local_or_shipped(config_file)
-    from accelerate.commands.config.config_args import load_config_from_file
+    values = read_yaml_mapping(config_file, "accelerate config", "pass one of accelerate_configs/*.yaml")
+    from accelerate.commands.config.config_args import load_config_from_file  # torch: only once the YAML reads
     from accelerate.utils import DistributedType
 
-    values = read_yaml_mapping(config_file, "accelerate config", "pass one of accelerate_configs/*.yaml")
     if config_file != given:
         config_file = _with_deepspeed_file_found(config_file, values)
     kinds = sorted(kind.value for kind in DistributedType)

@@ -1,16 +1,40 @@
 """Every change this toolkit makes to another library's private behaviour, in one place.
 
 Each is a small function called from one visible spot; none runs at import. When a library fixes the problem or
-renames what is patched, this table says what to revisit and which test fails first.
+renames what is patched, this list says what to revisit and which test fails first.
 
-| patch | what it does | why | upstream | versions it targets | guarded by |
-|---|---|---|---|---|---|
-| `FinetuneTrainer._save_checkpoint` (finetune/train.py) | wraps the Trainer's save: marker written last, save errors as one sentence | a kill mid-save leaves a folder that looks complete | - | transformers 5.17-5.24 `Trainer._save_checkpoint(model, trial)` | tests/test_preemption_single.py (all), `_ddp.py`, `_zero3.py` |
-| `rotation_deferred` | no-op `transformers.trainer.rotate_checkpoints` during one save | the Trainer rotates before our marker exists and can delete the only complete checkpoint | - | transformers 5.17-5.24 (module-level `rotate_checkpoints`) | test_preemption_single.py::test_save_total_limit_one_never_leaves_no_complete_checkpoint |
-| `compile_inside_checkpoints` | sets each layer's `_gradient_checkpointing_func` to checkpoint(compiled(layer)) | compiled around a checkpoint, one graph break runs the whole layer eagerly | pytorch/pytorch#139989 | transformers 5.17 (`__call__`) and 5.24 (`forward`) `GradientCheckpointingLayer` | test_train.py::test_under_checkpointing_a_layer_with_a_graph_break_is_still_compiled_once_for_all_layers |
-| `exit_without_teardown` | runs atexit handlers, flushes, then `os._exit(0)` after a multi-process run | gloo's threads aborted a finished rank in ~1% of CPU launches at interpreter teardown | pytorch/pytorch#190489 | torch 2.11-2.13 | tests/test_distributed.py (every 2-process launch exits 0) |
-| `switch_cpu_state_to_fsdp` | sets accelerate's shared state to FSDP over gloo | accelerate switches to FSDP only from a GPU state; on CPU it wraps in DDP | - | accelerate 1.15-1.16 | test_distributed.py::test_full_finetune_runs_the_strategy_of_its_config_file[fsdp], ::test_fsdp_config_falling_back_to_ddp_stops_with_a_clear_error |
-| `zero3_init_off` | unsets transformers' ZeRO-3 flag while the tiny model is written | under a ZeRO-3 launch `from_config` builds empty partitions, which would be saved as the tiny model | - | transformers 5.17-5.24 `_hf_deepspeed_config_weak_ref` | test_distributed.py::test_full_finetune_gives_the_single_process_answer[zero3] |
+- `FinetuneTrainer._save_checkpoint` (finetune/train.py, the one override of a private Trainer method)
+  does: runs the Trainer's save, then flushes it and writes the completeness marker; save errors become one sentence.
+  why: a kill mid-save leaves a folder that looks like a complete checkpoint.
+  targets: transformers 5.17-5.24 `Trainer._save_checkpoint(model, trial)`.
+  guarded by: tests/test_preemption_single.py, tests/test_preemption_ddp.py, tests/test_preemption_zero3.py.
+- `rotation_deferred`
+  does: makes `transformers.trainer.rotate_checkpoints` a no-op during one save; `checkpoints.rotate` runs after.
+  why: the Trainer rotates before our marker exists and could delete the only complete checkpoint.
+  targets: transformers 5.17-5.24 (module-level `rotate_checkpoints`).
+  guarded by: test_preemption_single.py::test_save_total_limit_one_never_leaves_no_complete_checkpoint.
+- `compile_inside_checkpoints`
+  does: sets each layer's `_gradient_checkpointing_func` so that it runs checkpoint(compiled(layer)).
+  why: compiled around a checkpoint, one graph break makes dynamo run the whole layer eagerly.
+  upstream: pytorch/pytorch#139989.
+  targets: `GradientCheckpointingLayer` of transformers 5.17 (checkpoint in `__call__`) and 5.24 (in `forward`).
+  guarded by: test_train.py::test_under_checkpointing_a_layer_with_a_graph_break_is_still_compiled_once_for_all_layers.
+- `exit_without_teardown`
+  does: runs the atexit handlers, flushes, then `os._exit(0)` at the end of a multi-process run.
+  why: gloo's worker threads aborted a finished rank at interpreter teardown in about 1 of 100 CPU launches.
+  upstream: pytorch/pytorch#190489.  targets: torch 2.11-2.13.
+  guarded by: tests/test_distributed.py (every two-process launch must exit 0).
+- `switch_cpu_state_to_fsdp`
+  does: sets accelerate's shared state (`PartialState._shared_state`) to FSDP over gloo.
+  why: accelerate switches to FSDP only from a GPU state; on CPU it would wrap the model in DDP.
+  targets: accelerate 1.15-1.16.
+  guarded by: test_distributed.py::test_full_finetune_runs_the_strategy_of_its_config_file[fsdp] and
+  ::test_fsdp_config_falling_back_to_ddp_stops_with_a_clear_error.
+- `zero3_init_off`
+  does: unsets transformers' ZeRO-3 flag (`_hf_deepspeed_config_weak_ref`) while the tiny model is built and written.
+  why: under a ZeRO-3 launch `from_config` builds empty partitions, which would be saved as the tiny model.
+  targets: transformers 5.17-5.24.
+  guarded by: test_distributed.py::test_full_finetune_gives_the_single_process_answer[zero3].
 """
 
 import atexit

@@ -1,5 +1,6 @@
 """What the tests share: the project root, one way to launch a training run, and readers for what a run printed."""
 
+import hashlib
 import json
 import os
 import runpy
@@ -61,3 +62,14 @@ def run_sft_in_process(args: list[str], capfd, monkeypatch) -> subprocess.Comple
         os.environ.update(environment)
     out, err = capfd.readouterr()
     return subprocess.CompletedProcess([script, *args], code, out, err)
+
+
+def folder_digest(folder: Path) -> dict:
+    """Every file of a folder and its hash: what must not change when a run is refused."""
+    return {str(path.relative_to(folder)): hashlib.sha256(path.read_bytes()).hexdigest() for path in folder.rglob("*") if path.is_file()}
+
+
+def write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path

@@ -1,8 +1,8 @@
-"""Bad input, widened (issue 6): recipes, dataset files, config files and flags that tests/test_config.py does not try.
+"""Bad input: recipes, dataset files, config files and flags.
 
 Each case ends in one sentence naming the file, the field and the fix, a non-zero exit, no traceback, no model loaded,
 and nothing changed in an output folder that already holds a run. Cases of scripts/sft.py alone run it in this process
-(conftest.run_sft_in_process: the same code from the command line on, without paying the imports 40 times), and so
+(tests/helpers.run_sft_in_process: the same code from the command line on, without paying the imports 40 times), and so
 do the cases `finetune launch` refuses before it hands over to accelerate; the cases sft.py finds under a DeepSpeed
 config go through the real `accelerate launch` in a subprocess. tests/test_config.py shows the real process once.
 """
@@ -16,14 +16,26 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ACCELERATE, ROOT, free_port, run_sft_in_process
+from tests.helpers import ACCELERATE, ROOT, folder_digest, free_port, run_sft_in_process, write
 
 FINETUNE = str(Path(sys.executable).with_name("finetune"))
-from test_config import folder_digest, good_turns, write
 
 LORA = ROOT / "recipes" / "llama-3.2-1b" / "lora.yaml"
 FULL = ROOT / "recipes" / "llama-3.2-1b" / "full.yaml"
 TINY = ["--config", str(FULL), "--tiny"]
+QLORA = ROOT / "recipes" / "llama-3.2-3b" / "qlora.yaml"
+
+
+def recipe_with(tmp_path: Path, base: Path, extra: str) -> Path:
+    return write(tmp_path / "recipe.yaml", base.read_text() + "\n" + extra + "\n")
+
+
+def dataset_file(tmp_path: Path, rows: list) -> Path:
+    return write(tmp_path / "rows.jsonl", "".join(json.dumps(row) + "\n" for row in rows))
+
+
+def good_turns(answer: str = "cold") -> list:
+    return [{"role": "user", "content": "What is the opposite of hot?"}, {"role": "assistant", "content": answer}]
 
 
 def rows_file(tmp: Path, rows: list, name: str = "rows.jsonl") -> Path:
@@ -87,6 +99,36 @@ DS_AUTO = {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": 
 # (name, arguments (a function of tmp_path), words the error sentence must hold[, the launcher: a function of tmp_path;
 # default: python scripts/sft.py])
 BAD_INPUTS = [
+    ("unknown recipe key", lambda tmp: ["--config", str(recipe_with(tmp, FULL, "lerning_rate: 0.1"))],
+     ["recipe.yaml", "unknown key `lerning_rate`", "spelling"]),
+    ("wrong value type in recipe", lambda tmp: ["--config", str(recipe_with(tmp, LORA, "lora_r: sixteen"))],
+     ["recipe.yaml", "`lora_r: sixteen`", "not a valid int"]),
+    ("missing recipe file", lambda tmp: ["--config", str(tmp / "nope.yaml")],
+     ["nope.yaml", "not found", "--config"]),
+    ("broken recipe YAML", lambda tmp: ["--config", str(write(tmp / "broken.yaml", "model_name_or_path: [a, b\n"))],
+     ["broken.yaml", "not valid YAML", "line"]),
+    ("unknown command-line flag", lambda tmp: ["--config", str(FULL), "--tiny", "--learning_rat", "1"],
+     ["command line", "--learning_rat", "spelling"]),
+    ("missing dataset file", lambda tmp: ["--config", str(FULL), "--tiny", "--dataset_name", str(tmp / "gone.jsonl")],
+     ["gone.jsonl", "not found", "--dataset_name"]),
+    ("dataset with no usable column", lambda tmp: ["--config", str(FULL), "--tiny", "--dataset_name",
+                                                   str(dataset_file(tmp, [{"question": "a", "answer": "b"}]))],
+     ["rows.jsonl", "['question', 'answer']", "`messages`"]),
+    ("empty assistant turn", lambda tmp: ["--config", str(FULL), "--tiny", "--dataset_name",
+                                          str(dataset_file(tmp, [{"messages": good_turns()}, {"messages": good_turns("  ")}]))],
+     ["rows.jsonl", "row 2", "turn 2", "assistant", "empty content"]),
+    ("conversation without an assistant turn", lambda tmp: ["--config", str(FULL), "--tiny", "--dataset_name",
+                                                            str(dataset_file(tmp, [{"messages": good_turns()[:1]}]))],
+     ["rows.jsonl", "row 1", "no assistant turn"]),
+    ("LoRA flag on a full fine-tuning recipe", lambda tmp: ["--config", str(FULL), "--tiny", "--lora_r", "8"],
+     ["full.yaml", "`lora_r`", "use_peft"]),
+    ("expert LoRA on a model without experts",
+     lambda tmp: ["--config", str(LORA), "--tiny", "--lora_target_parameters", "mlp.experts.gate_up_proj"],
+     ["lora.yaml", "lora_target_parameters", "mixture-of-experts"]),
+    ("QLoRA without LoRA", lambda tmp: ["--config", str(QLORA), "--tiny", "--use_peft", "false"],
+     ["qlora.yaml", "load_in_4bit", "use_peft: true"]),
+    ("missing local model folder", lambda tmp: ["--config", str(FULL), "--model_name_or_path", str(tmp / "no-model")],
+     ["no-model", "not found", "--model_name_or_path"]),
     # --- recipes
     ("recipe key misspelled (ModelConfig)", lambda t: ["--tiny", *recipe(t, LORA.read_text() + "\nuse_pft: true\n")],
      ["recipe.yaml", "unknown key `use_pft`", "spelling"]),
@@ -235,6 +277,3 @@ def test_bad_input_is_one_sentence_naming_file_field_and_fix(case, tmp_path, cap
     assert "Loading weights" not in result.stderr + result.stdout, "the check must come before the model loads"
     assert folder_digest(output_dir) == before, "a refused run changes nothing in an existing output folder"
 
-
-def test_the_table_is_at_least_thirty_cases():
-    assert len(BAD_INPUTS) >= 30

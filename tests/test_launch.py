@@ -73,3 +73,13 @@ def test_launch_checks_accelerates_default_config_when_given_no_file(monkeypatch
     monkeypatch.setattr(launch, "default_config_file", lambda: str(default))
     with pytest.raises(launch.UserError, match="default_config.yaml: `distributed_type: MULTI_GPX`"):
         launch.accelerate_command(["--config", "recipes/llama-3.2-1b/full.yaml"])
+
+
+def test_a_broken_accelerate_file_is_refused_without_importing_trl_or_torch(tmp_path):
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("distributed_type: [MULTI_GPU\n")
+    probe = ("import sys; from finetune import cli; code = cli.main(['launch', '--config_file', sys.argv[1]]); "
+             "print(code, sorted({'trl', 'torch'} & set(sys.modules)))")
+    result = subprocess.run([sys.executable, "-c", probe, str(broken)], capture_output=True, text=True, timeout=60)
+    assert result.stdout.split("\n")[0] == "2 []", result.stdout + result.stderr
+    assert "broken.yaml: not valid YAML" in result.stderr
