@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 import torch
-from preemption import (
+from tests.preemption import (
     SEED,
     WEIGHTS,
     Launch,
