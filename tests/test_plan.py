@@ -260,13 +260,3 @@ def test_cli_table_and_exit_status_when_nothing_fits(tmp_path):
     out = subprocess.run([sys.executable, "scripts/plan.py", "--config", str(path), "--gpus", "1", "--gpu", "L4"],
                          cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 1 and "Nothing fits" in out.stdout and "DDP" in out.stdout
-
-
-def test_measure_memory_tiny_case_runs_on_cpu(tmp_path):
-    pytest.importorskip("trl")
-    out = subprocess.run([sys.executable, "scripts/measure_memory.py", "--tiny", "--out", str(tmp_path),
-                          "--cases", "llama-3.2-1b-full-s1024-b8"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=300, env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    rows = json.loads((tmp_path / "planner_validation.json").read_text())
-    assert rows[0]["case"] == "llama-3.2-1b-full-s1024-b8" and "error" not in rows[0]

@@ -1,15 +1,18 @@
-"""The benchmark's tiny CPU mode runs every case end to end, so scripts/bench.py does not rot between GPU runs."""
+"""The benchmarks' tiny CPU modes run end to end, so scripts/bench.py and scripts/measure_memory.py do not rot between
+GPU runs."""
 
 import json
 import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.helpers import ROOT
 
 
 def test_tiny_bench_writes_every_case(tmp_path):
-    from finetune.bench import gpu_cases
+    from benchmarks.cases import gpu_cases
 
     env = dict(os.environ, HF_HUB_OFFLINE="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(ROOT))
     completed = subprocess.run(
@@ -45,7 +48,7 @@ def test_tiny_bench_writes_every_case(tmp_path):
 
 
 def test_every_compiled_variant_gets_a_process_of_its_own():
-    from finetune.bench import compiles, gpu_cases, process_groups
+    from benchmarks.cases import compiles, gpu_cases, process_groups
 
     for case in gpu_cases():
         for extra in (False, True):
@@ -56,3 +59,13 @@ def test_every_compiled_variant_gets_a_process_of_its_own():
                 assert len(group) == 1 or not any(compiles(variant) for variant in group), (case.key, group)
     lora = {variant.key: variant for variant in next(c for c in gpu_cases() if c.key == "llama3b_lora").variants}
     assert compiles(lora["finetune"]) and not compiles(lora["finetune_eager"]) and not compiles(lora["plain_best"])
+
+
+def test_measure_memory_tiny_case_runs_on_cpu(tmp_path):
+    pytest.importorskip("trl")
+    out = subprocess.run([sys.executable, "scripts/measure_memory.py", "--tiny", "--out", str(tmp_path),
+                          "--cases", "llama-3.2-1b-full-s1024-b8"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    rows = json.loads((tmp_path / "planner_validation.json").read_text())
+    assert rows[0]["case"] == "llama-3.2-1b-full-s1024-b8" and "error" not in rows[0]
