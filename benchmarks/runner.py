@@ -52,9 +52,8 @@ def register_varlen_attention(device: str) -> dict:
         lengths = [5, 130, 64, 300]
         total, heads, kv_heads, dim = sum(lengths), 8, 2, 64
         cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-        q = torch.randn(1, heads, total, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        k = torch.randn(1, kv_heads, total, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        v = torch.randn(1, kv_heads, total, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        q, k, v = (torch.randn(1, n, total, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                   for n in (heads, kv_heads, kv_heads))
         out = attention.varlen_attention(q, k, v, cu, max(lengths), dim**-0.5)
         out.float().square().sum().backward()
         grads = [t.grad.clone() for t in (q, k, v)]
@@ -71,8 +70,6 @@ def register_varlen_attention(device: str) -> dict:
     return _VARLEN_CHECK
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# Timing
 
 
 class StepTimer:
@@ -91,11 +88,13 @@ class StepTimer:
                 timer.last = time.perf_counter()
 
             def on_step_begin(self, args, state, control, **kwargs):
-                if timer.cuda:
-                    timer._sync()
+                if timer.cuda:  # the caching allocator counts on the host: no synchronisation needed
                     timer.step_start_allocated.append(torch.cuda.memory_allocated())
                 if timer.profile_steps and state.global_step == timer.warmup + timer.timed and timer.profiler is None:
-                    timer._start_profile()
+                    from torch.profiler import ProfilerActivity, profile
+
+                    timer.profiler = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+                    timer.profiler.__enter__()
 
             def on_step_end(self, args, state, control, **kwargs):
                 timer._sync()
@@ -104,13 +103,14 @@ class StepTimer:
                 timer.steps.append((now - timer.last, tokens - timer.tokens))
                 timer.last, timer.tokens = now, tokens
                 if timer.profiler is not None and state.global_step >= timer.warmup + timer.timed + timer.profile_steps:
-                    timer._stop_profile()
+                    profiler, timer.profiler = timer.profiler, None
+                    profiler.__exit__(None, None, None)
+                    timer.profile_summary = summarize_profile(profiler, timer.profile_steps, timer.profile_path)
 
         self.callback = _Callback()
         self.warmup, self.timed, self.cuda = warmup, timed, device == "cuda"
         self.profile_steps, self.profile_path = profile_steps, profile_path
-        self.profiler = None
-        self.profile_summary = None
+        self.profiler = self.profile_summary = None
         self.steps: list[tuple[float, int]] = []
         self.step_start_allocated: list[int] = []
         self.last, self.tokens = 0.0, 0
@@ -118,17 +118,6 @@ class StepTimer:
     def _sync(self):
         if self.cuda:
             torch.cuda.synchronize()
-
-    def _start_profile(self):
-        from torch.profiler import ProfilerActivity, profile
-
-        self.profiler = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
-        self.profiler.__enter__()
-
-    def _stop_profile(self):
-        profiler, self.profiler = self.profiler, None
-        profiler.__exit__(None, None, None)
-        self.profile_summary = summarize_profile(profiler, self.profile_steps, self.profile_path)
 
     def summary(self) -> dict:
         timed = self.steps[self.warmup : self.warmup + self.timed]
@@ -183,8 +172,6 @@ def summarize_profile(profiler, steps: int, path: Path | None) -> dict:
     return summary
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# Running one variant
 
 
 class VariantTimeout(Exception):
@@ -219,26 +206,21 @@ def restoring_modeling_modules():
     case (a process each would pay the imports and the CUDA start-up twice as often, and the GPU run would no longer
     fit its time budget), so a plain variant after a liger one would otherwise run liger's kernels."""
     modules = [importlib.import_module(f"transformers.models.{name}.modeling_{name}") for name in ("llama", "gpt_oss")]
-    saved = []
-    for module in modules:
-        classes = {name: dict(obj.__dict__) for name, obj in vars(module).items() if isinstance(obj, type)}
-        saved.append((module, dict(vars(module)), classes))
+    saved = [(module, dict(vars(module)), {name: dict(obj.__dict__) for name, obj in vars(module).items()
+                                           if isinstance(obj, type)}) for module in modules]
     try:
         yield
     finally:
         for module, names, classes in saved:
-            for name in list(vars(module)):
-                if name not in names:
-                    delattr(module, name)
+            for name in set(vars(module)) - set(names):
+                delattr(module, name)
             for name, value in names.items():
                 setattr(module, name, value)
             for name, attributes in classes.items():
-                cls = names[name]
                 for attribute, value in attributes.items():
-                    if attribute.startswith("__") or cls.__dict__.get(attribute) is value:
-                        continue
-                    with contextlib.suppress(AttributeError, TypeError):
-                        setattr(cls, attribute, value)
+                    if not attribute.startswith("__") and names[name].__dict__.get(attribute) is not value:
+                        with contextlib.suppress(AttributeError, TypeError):
+                            setattr(names[name], attribute, value)
 
 
 def common_flags(steps: int, output_dir: str) -> list[str]:
@@ -398,8 +380,6 @@ def release_memory(device: str):
         torch.cuda.empty_cache()
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# Numerics check: the fast path and the plain path give the same losses (bf16 rounding aside)
 
 
 def numerics_check(out_dir: Path, tiny: bool, steps: int = 20) -> dict:
@@ -457,8 +437,6 @@ def numerics_check(out_dir: Path, tiny: bool, steps: int = 20) -> dict:
     return result
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# The command line: every chosen variant here, or each group of them in a child process
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -1,8 +1,4 @@
-"""Measure peak GPU memory of real SFT steps and compare it with finetune.plan's estimate (benchmarks/memory.py).
-
-    python scripts/measure_memory.py                 # on a CUDA GPU: every case, results in $OUT (or outputs/)
-    python scripts/measure_memory.py --tiny          # on CPU: the tiny models, checks the script still runs
-"""
+"""Peak GPU memory of real SFT steps against finetune.plan's estimate: `--help`, or benchmarks/memory.py."""
 
 import sys
 from pathlib import Path
