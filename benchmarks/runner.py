@@ -416,6 +416,9 @@ def numerics_check(out_dir: Path, tiny: bool, steps: int = 20) -> dict:
             if tiny:
                 kwargs.update(use_cpu=True, use_liger_kernel=False, optim="adamw_torch")
             model = models.build_model(config, attn, None, torch.float32 if tiny else torch.bfloat16, device, seed=0)
+            if kwargs.get("torch_compile"):
+                # regional compilation, as config.apply_to_process asks for a recipe's run without checkpointing
+                os.environ.setdefault("ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION", "true")
             training = SFTConfig(**kwargs)
             trainer = SFTTrainer(model=model, args=training, train_dataset=models.make_dataset(rows),
                                  processing_class=tokenizer, callbacks=compile_per_layer(training))
