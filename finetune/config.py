@@ -12,6 +12,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from trl import ModelConfig, ScriptArguments, SFTConfig, TrlParser
 
@@ -55,6 +56,11 @@ class FinetuneArguments:
     experts_implementation: str | None = field(
         default=None,
         metadata={"help": "Mixture-of-experts kernel passed to from_pretrained: 'eager', 'batched_mm' or 'grouped_mm'."},
+    )
+    expert_lora_kernel: Literal["grouped", "peft"] = field(
+        default="grouped",
+        metadata={"help": "How lora_target_parameters adapts GPT-OSS's experts: 'grouped' (grouped GEMMs, never forms "
+                          "W + B·A) or 'peft' (peft's ParamWrapper, which does; for comparison)."},
     )
     sample_prompt: str | None = field(
         default=None,

@@ -240,3 +240,12 @@ def install(model: torch.nn.Module) -> int:
         module.__class__ = GroupedExpertsLora
         installed += 1
     return installed
+
+
+def use_kernel(trainer, kernel: str) -> int:
+    """After the trainer has built the peft model: the grouped path for its expert LoRA unless `kernel` is 'peft'.
+    Logs how many experts modules take it, the line that shows which path a run took."""
+    installed = install(trainer.model) if kernel == "grouped" else 0
+    if installed and trainer.accelerator.is_main_process:
+        print(f"[finetune] expert LoRA: grouped GEMMs in {installed} experts modules", flush=True)
+    return installed

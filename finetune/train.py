@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel, TrainerCallback
 from trl import SFTTrainer
 
-from finetune import checkpoints, patches
+from finetune import checkpoints, expert_lora, patches
 from finetune import model as model_loading
 from finetune.config import RUN_RECORD, RunConfig, run_identity
 from finetune.config_files import accelerate_config_file, requested_strategy
@@ -146,6 +146,7 @@ def build_trainer(run: RunConfig, model: PreTrainedModel, tokenizer, train_set, 
         peft_config=model_loading.lora_config(run),
         callbacks=compile_per_layer(run.training),
     )
+    expert_lora.use_kernel(trainer, run.finetune.expert_lora_kernel)
     trainer.add_callback(SetupCheck(trainer, accelerate_config_file()))
     return trainer
 
