@@ -180,6 +180,7 @@ class Setup:
     use_liger_kernel: bool = False
     attn_implementation: str = "sdpa"
     torch_compile: bool = False
+    expert_lora_kernel: str = "grouped"  # grouped | peft (finetune/expert_lora.py)
 
     @property
     def tokens(self) -> int:
@@ -222,6 +223,7 @@ def setup_from_recipe(values: dict) -> Setup:
         use_liger_kernel=_as_bool(values.get("use_liger_kernel", False)),
         attn_implementation=str(values.get("attn_implementation") or "sdpa"),
         torch_compile=_as_bool(values.get("torch_compile", False)),
+        expert_lora_kernel=str(values.get("expert_lora_kernel") or "grouped"),
     )
 
 
@@ -334,7 +336,10 @@ def layer_activation_bytes_per_token(a: Architecture, s: Setup) -> float:
 
 
 def adapted_expert_weight_bytes(a: Architecture, s: Setup) -> float:
-    """peft's ParamWrapper adds B@A to a 3-D expert weight in the forward: the merged weight is saved per layer."""
+    """peft's ParamWrapper adds B@A to a 3-D expert weight in the forward: the merged weight is saved per layer.
+    The grouped path (finetune/expert_lora.py) never forms it."""
+    if s.expert_lora_kernel == "grouped":
+        return 0.0
     return sum(a.experts * i * o * 2 for i, o in lora_expert_targets(a, s).values())
 
 

@@ -260,3 +260,14 @@ def test_cli_table_and_exit_status_when_nothing_fits(tmp_path):
     out = subprocess.run([sys.executable, "scripts/plan.py", "--config", str(path), "--gpus", "1", "--gpu", "L4"],
                          cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 1 and "Nothing fits" in out.stdout and "DDP" in out.stdout
+
+
+def test_expert_lora_saves_the_merged_expert_weights_only_on_peft_s_path():
+    a = P.load_architecture("gpt-oss-20b")
+    experts = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+    grouped = setup(model="openai/gpt-oss-20b", method="lora", lora_target_parameters=experts)
+    peft = replace(grouped, expert_lora_kernel="peft")
+    assert P.adapted_expert_weight_bytes(a, grouped) == 0
+    assert P.adapted_expert_weight_bytes(a, peft) / 1e9 == pytest.approx(1.59, rel=0.01)  # W + BA per layer, bf16
+    assert P.setup_from_recipe({"model_name_or_path": "openai/gpt-oss-20b", "expert_lora_kernel": "peft"}) \
+        .expert_lora_kernel == "peft"
