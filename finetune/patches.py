@@ -30,6 +30,13 @@ renames what is patched, this list says what to revisit and which test fails fir
   targets: accelerate 1.15-1.16.
   guarded by: test_distributed.py::test_full_finetune_runs_the_strategy_of_its_config_file[fsdp] and
   ::test_fsdp_config_falling_back_to_ddp_stops_with_a_clear_error.
+- `expert_lora.install` (finetune/expert_lora.py)
+  does: swaps the class of peft's outermost `ParamWrapper` around each GPT-OSS experts module for a subclass whose
+  forward runs the experts through grouped GEMMs with the LoRA factors, reading peft's `lora_A`/`lora_B` layout and
+  private `_did_swap_in_out_features` as `ParamWrapper.get_delta_weight` does.
+  why: peft's forward parametrizes every expert weight as W + B·A and lets autograd compute its full gradient.
+  targets: peft 0.21.0-0.21.2 (`ParamWrapper`), transformers 5.17-5.24 (`GptOssExperts`, `is_transposed`).
+  guarded by: tests/test_expert_lora.py (against peft's path), test_distributed.py::test_lora_saves_the_single_process_adapter.
 - `zero3_init_off`
   does: unsets transformers' ZeRO-3 flag (`_hf_deepspeed_config_weak_ref`) while the tiny model is built and written.
   why: under a ZeRO-3 launch `from_config` builds empty partitions, which would be saved as the tiny model.
