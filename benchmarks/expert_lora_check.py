@@ -18,6 +18,7 @@ Writes DIR/expert_lora_check.json and DIR/expert_lora_check.md, and prints the t
 """
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -183,7 +184,7 @@ def throughput(variant: str, tiny: bool, warmup: int, timed: int) -> dict:
 
     trainer.add_callback(Timer())
     trainer.train()
-    times = [b - a for a, b in zip(marks, marks[1:])][warmup:]
+    times = [b - a for a, b in itertools.pairwise(marks)][warmup:]
     tokens = batch * seq
     result = {
         "variant": variant, "label": VARIANTS[variant][0], "grouped_modules": grouped_modules(trainer),
@@ -209,7 +210,7 @@ def run_child(args, what: str, timeout: float) -> dict:
                "--warmup", str(args.warmup), "--timed", str(args.timed), *(["--tiny"] if args.tiny else [])]
     start = time.monotonic()
     try:
-        completed = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=max(timeout, 1))
+        completed = subprocess.run(command, check=False, cwd=ROOT, capture_output=True, text=True, timeout=max(timeout, 1))
         failure = None if completed.returncode == 0 else f"exit {completed.returncode}: {completed.stderr[-2500:]}"
     except subprocess.TimeoutExpired as error:
         failure = f"timed out after {timeout:.0f} s: {(error.stderr or b'')[-1500:]!r}"
@@ -239,12 +240,12 @@ def table(report: dict) -> str:
     results = report.get("throughput", [])
     if results:
         reference = {r["variant"]: r.get("tokens_per_s") for r in results}
-        lines += ["", "| variant | tokens/s | vs attention only | peak GiB | step s (median) | first step s | "
-                  "grouped modules |", "|---|---|---|---|---|---|---|"]
+        header = "| variant | tokens/s | vs attention only | peak GiB | step s (median) | first step s | grouped modules |"
+        lines += ["", header, "|---|---|---|---|---|---|---|"]
         for r in results:
             if "error" in r:
-                lines.append(f"| {r['variant']} | failed: {r['error'].strip().splitlines()[-1][:120] if r['error'].strip() else ''} "
-                             f"| | | | | |")
+                last_line = (r["error"].strip().splitlines() or [""])[-1][:120]
+                lines.append(f"| {r['variant']} | failed: {last_line} | | | | | |")
                 continue
             base = reference.get("attention_gc" if r["gradient_checkpointing"] else "attention")
             ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else "—"

@@ -65,9 +65,7 @@ torch.library.custom_op(
 torch.library.register_fake("finetune::loop_mm_per_expert", _loop_mm_per_expert_fake)
 
 
-def _torch_version() -> tuple[int, int]:
-    major, minor = torch.__version__.split(".")[:2]
-    return int(major), int(minor)
+TORCH_VERSION = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
 
 
 def grouped_mm_runs(reference: torch.Tensor, *widths: int) -> bool:
@@ -76,10 +74,11 @@ def grouped_mm_runs(reference: torch.Tensor, *widths: int) -> bool:
     if not hasattr(torch, "_grouped_mm") or any(width * reference.element_size() % 16 for width in widths):
         return False
     if reference.device.type == "cuda":
-        return reference.dtype == torch.bfloat16 and torch.cuda.get_device_capability(reference.device) >= (8, 0)
+        # get_device_properties, not get_device_capability: dynamo folds the former to a constant
+        return reference.dtype == torch.bfloat16 and torch.cuda.get_device_properties(reference.device).major >= 8
     if reference.device.type == "cpu":
         # inductor lowers grouped_mm for bf16 only
-        return _torch_version() >= (2, 10) and (reference.dtype == torch.bfloat16 or not torch.compiler.is_compiling())
+        return TORCH_VERSION >= (2, 10) and (reference.dtype == torch.bfloat16 or not torch.compiler.is_compiling())
     return False
 
 
@@ -93,7 +92,7 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> 
 def grouped_mm_per_expert(left: torch.Tensor, right: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """[experts, left width, right width]: for each expert, its rows of `left` transposed times its rows of `right`
     (the weight-gradient shape); experts with no rows get zeros."""
-    if grouped_mm_runs(left, left.shape[-1], right.shape[-1], left.shape[0]):
+    if grouped_mm_runs(left, left.shape[-1], right.shape[-1]):  # left.t() is column-major: its stride is a row's
         product = torch._grouped_mm(left.t(), right, offs=offsets)
         empty = torch.diff(offsets, prepend=offsets.new_zeros(1)) == 0
         return product.masked_fill(empty[:, None, None], 0)  # the kernel need not write an empty expert's block
