@@ -263,7 +263,7 @@ def test_cli_table_and_exit_status_when_nothing_fits(tmp_path):
 
 
 def test_expert_lora_saves_the_merged_expert_weights_only_on_peft_s_path():
-    a = P.load_architecture("gpt-oss-20b")
+    a = P.architecture_of("gpt-oss-20b")
     experts = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
     grouped = setup(model="openai/gpt-oss-20b", method="lora", lora_target_parameters=experts)
     peft = replace(grouped, expert_lora_kernel="peft")
