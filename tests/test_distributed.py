@@ -219,10 +219,25 @@ class Runs:
 
     def gpt_oss_lora(self, config: str | None) -> Run:
         processes = 2 if config else 1
+        checkpoint = [] if config else ["--save_strategy", "steps", "--save_steps", str(STEPS // 2)]  # resumed below
         return self.get(f"gpt-oss-lora-{config or 'single'}", lambda out: run_sft(
             config, "gpt-oss-20b/lora", out, *COMPARABLE, *LORA, *EXPERT_LORA, *batch_flags(processes),
-            "--max_steps", str(STEPS),
+            "--max_steps", str(STEPS), *checkpoint,
             processes=processes))
+
+    def gpt_oss_lora_resumed(self) -> Run:
+        """The single-process expert LoRA run relaunched in a folder holding only its record and first checkpoint."""
+        uninterrupted = self.gpt_oss_lora(None)
+
+        def resumed(out):
+            out.mkdir(parents=True)
+            shutil.copy(uninterrupted.output_dir / "finetune_run.json", out)
+            shutil.copytree(uninterrupted.output_dir / f"checkpoint-{STEPS // 2}", out / f"checkpoint-{STEPS // 2}")
+            return run_sft(None, "gpt-oss-20b/lora", out, *COMPARABLE, *LORA, *EXPERT_LORA, *batch_flags(1),
+                           "--max_steps", str(STEPS), "--save_strategy", "steps", "--save_steps", str(STEPS // 2),
+                           processes=1)
+
+        return self.get("gpt-oss-lora-single-resumed", resumed)
 
 
 @pytest.fixture(scope="module")
@@ -305,6 +320,16 @@ def test_lora_saves_the_single_process_adapter(runs, config):
     weight_difference = max_relative_difference(adapter, expected)
     print(f"\n[{config} LoRA] max relative difference: losses {loss_difference:.1e}, adapter {weight_difference:.1e}")
     assert weight_difference <= WEIGHT_RTOL
+
+
+def test_expert_lora_resumes_from_its_checkpoint_to_the_uninterrupted_result(runs):
+    uninterrupted, resumed = runs.gpt_oss_lora(None), runs.gpt_oss_lora_resumed()
+    assert f"[finetune] resuming from {resumed.output_dir / f'checkpoint-{STEPS // 2}'}" in resumed.output
+    assert "[finetune] expert LoRA: grouped GEMMs in 2 experts modules" in resumed.output
+    assert resumed.losses[: STEPS // 2] == uninterrupted.losses[: STEPS // 2] and len(resumed.losses) == STEPS
+    assert max_relative_loss_difference(resumed.losses, uninterrupted.losses) <= 1e-6
+    adapter = reload_adapter(resumed.output_dir, "gpt-oss")
+    assert max_relative_difference(adapter, reload_adapter(uninterrupted.output_dir, "gpt-oss")) <= 1e-6
 
 
 # --- Two machines on one host: one process each, rendezvous over 127.0.0.1.
