@@ -13,14 +13,9 @@ ParamWrapper around a GPT-OSS experts module for `GroupedExpertsLora`, whose for
 (adapters disabled or merged, several adapters, expert parallelism) peft's own.
 """
 
-import logging
-
 import torch
 from peft.tuners.lora.layer import ParamWrapper
 
-logger = logging.getLogger(__name__)
-
-KERNELS = ("grouped", "peft")
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
 
 

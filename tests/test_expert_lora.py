@@ -148,3 +148,20 @@ def test_the_grouped_experts_trace_whole_under_torch_compile(dtype):
     actual = {name.removeprefix("_orig_mod."): grad for name, grad in actual.items()}
     assert_close({"output": output, **actual}, {"output": expected_output, **expected},
                  1e-5 if dtype == torch.float32 else 1e-2)
+
+
+def test_expert_lora_kernel_peft_keeps_peft_s_path_and_disabled_adapters_give_the_base_model():
+    from types import SimpleNamespace
+
+    model = adapted(tiny_gpt_oss(), 8)
+    trainer = SimpleNamespace(model=model, accelerator=SimpleNamespace(is_main_process=True))
+    assert expert_lora.use_kernel(trainer, "peft") == 0
+    assert not any(isinstance(module, expert_lora.GroupedExpertsLora) for module in model.modules())
+    assert expert_lora.use_kernel(trainer, "grouped") == 2
+    ids = torch.randint(0, 200, (1, 16), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        with model.disable_adapter():
+            disabled = model(input_ids=ids).logits
+        base = tiny_gpt_oss()(input_ids=ids).logits
+        adapted_logits = model(input_ids=ids).logits
+    assert (disabled - base).abs().max() <= 1e-6 and (adapted_logits - base).abs().max() > 1e-3
