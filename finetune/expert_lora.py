@@ -50,7 +50,41 @@ def _loop_mm_per_expert_fake(left, right, offsets):
     return left.new_empty(offsets.shape[0], left.shape[-1], right.shape[-1])
 
 
-# Custom operators, so that torch.compile keeps the data-dependent loop out of its graphs instead of breaking them.
+def _has_grouped_mm_layout(matrix: torch.Tensor) -> bool:
+    return matrix.stride(-1) == 1 or matrix.stride(-2) == 1
+
+
+def _grouped_mm_checked(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    # torch._grouped_mm needs each matrix row- or column-major. Inductor (torch 2.11) may hand it a LoRA factor in the
+    # layout of the permute that made it, "contiguous()" notwithstanding (H200: "Invalid strides/sizes, got
+    # [1, 32, 512]"); inside this operator the strides are real, and only such a small factor is copied.
+    x = x if _has_grouped_mm_layout(x) else x.contiguous()
+    weight = weight if _has_grouped_mm_layout(weight) else weight.contiguous()
+    return torch._grouped_mm(x, weight, offs=offsets)
+
+
+def _grouped_mm_checked_fake(x, weight, offsets):
+    return x.new_empty(x.shape[0], weight.shape[-1])
+
+
+def _grouped_mm_per_expert_checked(left: torch.Tensor, right: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    left = left if left.stride(-1) == 1 else left.contiguous()  # left.t() must be column-major
+    right = right if _has_grouped_mm_layout(right) else right.contiguous()
+    return torch._grouped_mm(left.t(), right, offs=offsets)
+
+
+def _grouped_mm_per_expert_checked_fake(left, right, offsets):
+    return left.new_empty(offsets.shape[0], left.shape[-1], right.shape[-1])
+
+
+# Custom operators, so that torch.compile keeps the data-dependent loop out of its graphs instead of breaking them,
+# and calls the grouped GEMM with the operands' real strides.
+torch.library.custom_op("finetune::grouped_mm", _grouped_mm_checked, mutates_args=(),
+                        schema="(Tensor x, Tensor weight, Tensor offsets) -> Tensor")
+torch.library.register_fake("finetune::grouped_mm", _grouped_mm_checked_fake)
+torch.library.custom_op("finetune::grouped_mm_per_expert", _grouped_mm_per_expert_checked, mutates_args=(),
+                        schema="(Tensor left, Tensor right, Tensor offsets) -> Tensor")
+torch.library.register_fake("finetune::grouped_mm_per_expert", _grouped_mm_per_expert_checked_fake)
 torch.library.custom_op("finetune::loop_mm", _loop_mm, mutates_args=(), schema="(Tensor x, Tensor weight, Tensor offsets) -> Tensor")
 torch.library.register_fake("finetune::loop_mm", _loop_mm_fake)
 torch.library.custom_op(
@@ -80,7 +114,7 @@ def grouped_mm_runs(reference: torch.Tensor, *widths: int) -> bool:
 def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """Rows of x sorted by expert, offsets[e] = where expert e's rows end: row i of expert e times weight[e]."""
     if grouped_mm_runs(x, x.shape[-1], weight.shape[-2], weight.shape[-1]):
-        return torch._grouped_mm(x, weight, offs=offsets)
+        return torch.ops.finetune.grouped_mm(x, weight, offsets)
     return torch.ops.finetune.loop_mm(x, weight, offsets)
 
 
@@ -88,7 +122,7 @@ def grouped_mm_per_expert(left: torch.Tensor, right: torch.Tensor, offsets: torc
     """[experts, left width, right width]: for each expert, its rows of `left` transposed times its rows of `right`
     (the weight-gradient shape); experts with no rows get zeros."""
     if grouped_mm_runs(left, left.shape[-1], right.shape[-1]):  # left.t() is column-major: its stride is a row's
-        product = torch._grouped_mm(left.t(), right, offs=offsets)
+        product = torch.ops.finetune.grouped_mm_per_expert(left, right, offsets)
         empty = torch.diff(offsets, prepend=offsets.new_zeros(1)) == 0
         return product.masked_fill(empty[:, None, None], 0)  # the kernel need not write an empty expert's block
     return torch.ops.finetune.loop_mm_per_expert(left, right, offsets)
