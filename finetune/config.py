@@ -66,6 +66,16 @@ class FinetuneArguments:
         default=None,
         metadata={"help": "A user message answered greedily before and after training, to see what was learned."},
     )
+    columns: dict | str | None = field(
+        default=None,
+        metadata={"help": "Your column names mapped onto a format finetune reads, e.g. {dialog: messages} or "
+                          "{question: prompt, answer: completion}; JSON on the command line."},
+    )
+    dataset_mixture: dict | str | None = field(
+        default=None,
+        metadata={"help": "Several sources mixed into one training set: {datasets: [{path, split, test_split, "
+                          "columns, fraction}, ...], seed, test_split_size}; replaces dataset_name."},
+    )
     truncation: bool = field(
         default=True,
         metadata={"help": "false: a sample longer than max_length stops the run before the model loads, instead of "
@@ -82,6 +92,7 @@ class RunConfig:
     recipe_path: str | None
     explicit_keys: set[str]
     env: dict[str, str] = field(default_factory=dict)
+    data_sources: dict = field(default_factory=dict)  # rows taken from each dataset, filled when the data loads
 
 
 def _flag_error(message: str):
@@ -183,7 +194,7 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
         source = recipe_path or "command line"
         raise UserError(f"{source}: {_one_sentence(error)}") from None
     if finetune.tiny:
-        _scale_down_for_tiny(script, training, _flags_given(argv))
+        _scale_down_for_tiny(script, training, _flags_given(argv), finetune.dataset_mixture)
     return RunConfig(script, training, model, finetune, recipe_path, set(recipe) | _flags_given(argv), env)
 
 
@@ -199,10 +210,10 @@ def apply_to_process(run: RunConfig) -> None:
     _keep_token_out_of_saved_arguments(run.training)
 
 
-def _scale_down_for_tiny(script: ScriptArguments, training: SFTConfig, flags_given: set[str]) -> None:
+def _scale_down_for_tiny(script: ScriptArguments, training: SFTConfig, flags_given: set[str], mixture=None) -> None:
     """A tiny model trains on the bundled sample data, in rows of at most TINY_MAX_LENGTH tokens (packed recipes
     would otherwise put 16k tokens in every CPU step), unless the command line says otherwise."""
-    if "dataset_name" not in flags_given and not Path(script.dataset_name or "").exists():
+    if "dataset_name" not in flags_given and not Path(script.dataset_name or "").exists() and not mixture:
         print(f"[finetune] --tiny: training on the bundled {SAMPLE_DATA} instead of {script.dataset_name}", flush=True)
         script.dataset_name = str(SAMPLE_DATA)
     if "max_length" not in flags_given and (training.max_length or TINY_MAX_LENGTH) > TINY_MAX_LENGTH:

@@ -21,6 +21,7 @@ from finetune.errors import UserError
 logger = logging.getLogger(__name__)
 
 LOSS_PLOT = "loss.png"
+DATA_RECORD = "finetune_data.json"  # how many rows came from each dataset, beside the run record
 
 
 class SetupMismatch(UserError):
@@ -158,6 +159,8 @@ def train_and_save(trainer: SFTTrainer, run: RunConfig, tokenizer) -> None:
     if is_main:
         Path(output_dir).mkdir(parents=True, exist_ok=True)
         (Path(output_dir) / RUN_RECORD).write_text(json.dumps(run_identity(run), indent=2) + "\n")
+        if run.data_sources:
+            (Path(output_dir) / DATA_RECORD).write_text(json.dumps(run.data_sources, indent=2) + "\n")
     show_answers = run.finetune.sample_prompt and trainer.accelerator.num_processes == 1
     if show_answers:
         before = model_loading.answer(trainer.model, tokenizer, run.finetune.sample_prompt)
