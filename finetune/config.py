@@ -16,7 +16,7 @@ from typing import Literal
 
 from trl import ModelConfig, ScriptArguments, SFTConfig, TrlParser
 
-from finetune import cpu
+from finetune import cpu, tracking
 from finetune.architectures import model_family
 from finetune.config_files import (
     accelerate_config_file,
@@ -199,12 +199,13 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
 
 
 def apply_to_process(run: RunConfig) -> None:
-    """The one step that changes the process for a run: the recipe's `env:` block, the CPU process group (FSDP over
-    gloo), and the access token moved out of the arguments the Trainer saves."""
+    """The one step that changes the process for a run: the recipe's `env:` block, the MLflow run to continue, the CPU
+    process group (FSDP over gloo), and the access token moved out of the arguments the Trainer saves."""
     os.environ.update(run.env)
     if run.training.torch_compile and not run.training.gradient_checkpointing:
         # accelerate compiles each decoder layer once and reuses it (see train.compile_per_layer)
         os.environ.setdefault("ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION", "true")
+    tracking.prepare(run.training)
     if cpu.on_cpu():
         cpu.prepare_cpu_process_group()
     _keep_token_out_of_saved_arguments(run.training)
@@ -267,6 +268,7 @@ def check(run: RunConfig) -> None:
             f"{source}: `lora_target_parameters` adapts mixture-of-experts weights, which "
             f"{model.model_name_or_path} does not have; remove it or use lora_target_modules."
         )
+    tracking.check_installed(run.training, source)
     check_deepspeed_agrees(run)
     check_resume_checkpoint(run)
     check_output_dir(run)
