@@ -6,11 +6,16 @@ neither torch nor trl; they load when a run starts.
 """
 
 import importlib
+import logging
 import types
 
 __version__ = "0.1.0"
 
 NOTEBOOK_ENTRY_POINTS = ("train", "launch")
+
+# peft imports bitsandbytes whenever transformers is imported (peft/helpers.py), QLoRA or not; on a CPU with AVX512-BF16
+# and no hub access it then logs that it could not fetch an optional CPU 4-bit kernel, which only QLoRA on CPU would use
+logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 
 class _EntryPointModule(types.ModuleType):

@@ -10,7 +10,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Literal
 
@@ -153,6 +153,23 @@ def _coerce_recipe_values(parser: TrlParser, recipe: dict, recipe_path: str) -> 
     return coerced
 
 
+CHECKPOINTING_NAMES = ("gradient_checkpointing", "activation_checkpointing")
+
+
+def _checkpointing_name_as_installed(recipe: dict, argv: list[str], source: str) -> tuple[dict, list[str], str]:
+    """Either name of activation checkpointing, in the recipe or on the command line, as the installed transformers
+    spells it: from 5.2x `activation_checkpointing`, with the old name a FutureWarning (raised by every run, since
+    TRL's config sets the old name by default); before, only `gradient_checkpointing`. Returns the name used."""
+    known = {item.name for item in fields(SFTConfig)}
+    new, old = ("activation_checkpointing", "gradient_checkpointing") if CHECKPOINTING_NAMES[1] in known \
+        else CHECKPOINTING_NAMES
+    if old in recipe and new in recipe:
+        raise UserError(f"{source}: both `{old}` and `{new}` are set; keep `{new}`.")
+    recipe = {(new if key == old else key): value for key, value in recipe.items()}
+    argv = [f"--{new}{arg[len(old) + 2:]}" if arg == f"--{old}" or arg.startswith(f"--{old}=") else arg for arg in argv]
+    return recipe, argv, new
+
+
 def _flags_given(argv: list[str]) -> set[str]:
     return {arg[2:].split("=", 1)[0] for arg in argv if arg.startswith("--")}
 
@@ -172,7 +189,12 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
             raise UserError("command line: --config needs a recipe path; pass --config recipes/MODEL/METHOD.yaml.")
         recipe_path = argv[index + 1]
         argv = argv[:index] + argv[index + 2 :]
-        recipe = _coerce_recipe_values(parser, read_recipe(recipe_path), recipe_path)
+        recipe = read_recipe(recipe_path)
+    recipe, argv, checkpointing = _checkpointing_name_as_installed(recipe, argv, recipe_path or "command line")
+    if checkpointing == "activation_checkpointing":  # TRL's default on by the new name, so nothing warns
+        parser.set_defaults(gradient_checkpointing=None, activation_checkpointing=SFTConfig.gradient_checkpointing)
+    if recipe_path:
+        recipe = _coerce_recipe_values(parser, recipe, recipe_path)
         env = {key: str(value) for key, value in (recipe.pop("env", None) or {}).items()}
         parser.set_defaults(**recipe)
     if cpu.on_cpu():
