@@ -198,12 +198,11 @@ def finish_run(trainer: SFTTrainer) -> None:
 
 
 def save_loss_plot(log_history: list[dict], path: Path) -> None:
-    import matplotlib
+    # A Figure of its own, not pyplot: choosing a backend here would turn off a notebook's inline plots for good
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(figsize=(6, 4))
+    figure = Figure(figsize=(6, 4))
+    axes = figure.subplots()
     for key, label in (("loss", "train"), ("eval_loss", "eval")):
         points = [(entry["step"], entry[key]) for entry in log_history if key in entry]
         if points:
@@ -213,7 +212,6 @@ def save_loss_plot(log_history: list[dict], path: Path) -> None:
     axes.legend()
     figure.tight_layout()
     figure.savefig(path)
-    plt.close(figure)
 
 
 make_callable(sys.modules[__name__])  # finetune.train(...) runs finetune.api.train

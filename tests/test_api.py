@@ -32,7 +32,7 @@ def store(tmp_path_factory):
 def launched(store):
     import finetune
 
-    common = dict(tiny=True, save_steps=4, logging_steps=1, output_dir=str(store / "out"), report_to="mlflow")
+    common = {"tiny": True, "save_steps": 4, "logging_steps": 1, "output_dir": str(store / "out"), "report_to": "mlflow"}
     first = finetune.launch(config=LORA, num_processes=2, accelerate_config=str(ROOT / "accelerate_configs" / "ddp.yaml"),
                             main_process_port=free_port(), max_steps=4, **common)
     resumed = finetune.train(config=LORA, max_steps=6, **common)
@@ -43,7 +43,7 @@ def test_import_finetune_loads_neither_torch_nor_trl():
     import subprocess
 
     code = "import finetune, sys; print(sorted({'torch', 'trl', 'transformers'} & set(sys.modules)))"
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "[]"
+    assert subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout.strip() == "[]"
 
 
 def test_launch_trains_two_processes_and_returns_the_output_folder_and_final_metrics(launched, store):
