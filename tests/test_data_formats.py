@@ -88,11 +88,22 @@ def test_three_sources_mix_in_their_fractions_with_rows_per_source_recorded_and_
     assert (len(train), len(test)) == (180, 20)
     answers = [messages[-1]["content"] for messages in train["messages"]]
     assert sum(answer.startswith("a") for answer in answers) == 36 and sum(a.startswith("g") for a in answers) == 90
-    assert answers[:3] != sorted(answers[:3]) or answers[:36] != [f"a{i}" for i in range(36)]  # shuffled, not stacked
+    assert answers[:36] != [f"a{i}" for i in range(36)], "the sources are shuffled together, not stacked"
     test_answers = {messages[-1]["content"] for messages in test["messages"]}
     assert test_answers.isdisjoint(answers)
     again, _ = load(eval_strategy="steps", dataset_mixture=mixture)
     assert again["messages"] == train["messages"]  # the seed decides, not the run
+
+
+def test_a_source_cut_to_its_share_gives_a_sample_not_its_head(tmp_path):
+    sorted_rows = write_jsonl(tmp_path / "sorted.jsonl", [{"instruction": f"q{i}", "output": f"a{i:02d}"} for i in range(40)])
+    small = write_jsonl(tmp_path / "small.jsonl", [{"instruction": "q", "output": "b"}] * 4)
+    record = {}
+    train, _ = load(record=record, dataset_mixture={"datasets": [{"path": sorted_rows, "fraction": 0.5},
+                                                                  {"path": small, "fraction": 0.5}]})
+    assert record["train"] == {f"{sorted_rows} [train]": 4, f"{small} [train]": 4}
+    taken = sorted(answer for answer in (m[-1]["content"] for m in train["messages"]) if answer != "b")
+    assert taken != ["a00", "a01", "a02", "a03"]
 
 
 @pytest.mark.parametrize("mixture, named", [
