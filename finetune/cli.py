@@ -75,7 +75,7 @@ def _run_launch(args: argparse.Namespace, extra: list[str]) -> int:
     from finetune.errors import UserError, report
 
     try:
-        launch.main(extra)
+        return launch.main(extra)
     except UserError as error:
         return report(error)
 

@@ -10,13 +10,13 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Literal
 
 from trl import ModelConfig, ScriptArguments, SFTConfig, TrlParser
 
-from finetune import cpu
+from finetune import cpu, tracking
 from finetune.architectures import model_family
 from finetune.config_files import (
     accelerate_config_file,
@@ -66,6 +66,16 @@ class FinetuneArguments:
         default=None,
         metadata={"help": "A user message answered greedily before and after training, to see what was learned."},
     )
+    columns: dict | str | None = field(
+        default=None,
+        metadata={"help": "Your column names mapped onto a format finetune reads, e.g. {dialog: messages} or "
+                          "{question: prompt, answer: completion}; JSON on the command line."},
+    )
+    dataset_mixture: dict | str | None = field(
+        default=None,
+        metadata={"help": "Several sources mixed into one training set: {datasets: [{path, split, test_split, "
+                          "columns, fraction}, ...], seed, test_split_size}; replaces dataset_name."},
+    )
     truncation: bool = field(
         default=True,
         metadata={"help": "false: a sample longer than max_length stops the run before the model loads, instead of "
@@ -82,6 +92,7 @@ class RunConfig:
     recipe_path: str | None
     explicit_keys: set[str]
     env: dict[str, str] = field(default_factory=dict)
+    data_sources: dict = field(default_factory=dict)  # rows taken from each dataset, filled when the data loads
 
 
 def _flag_error(message: str):
@@ -142,6 +153,23 @@ def _coerce_recipe_values(parser: TrlParser, recipe: dict, recipe_path: str) -> 
     return coerced
 
 
+CHECKPOINTING_NAMES = ("gradient_checkpointing", "activation_checkpointing")
+
+
+def _checkpointing_name_as_installed(recipe: dict, argv: list[str], source: str) -> tuple[dict, list[str], str]:
+    """Either name of activation checkpointing, in the recipe or on the command line, as the installed transformers
+    spells it: from 5.2x `activation_checkpointing`, with the old name a FutureWarning (raised by every run, since
+    TRL's config sets the old name by default); before, only `gradient_checkpointing`. Returns the name used."""
+    known = {item.name for item in fields(SFTConfig)}
+    new, old = ("activation_checkpointing", "gradient_checkpointing") if CHECKPOINTING_NAMES[1] in known \
+        else CHECKPOINTING_NAMES
+    if old in recipe and new in recipe:
+        raise UserError(f"{source}: both `{old}` and `{new}` are set; keep `{new}`.")
+    recipe = {(new if key == old else key): value for key, value in recipe.items()}
+    argv = [f"--{new}{arg[len(old) + 2:]}" if arg == f"--{old}" or arg.startswith(f"--{old}=") else arg for arg in argv]
+    return recipe, argv, new
+
+
 def _flags_given(argv: list[str]) -> set[str]:
     return {arg[2:].split("=", 1)[0] for arg in argv if arg.startswith("--")}
 
@@ -161,7 +189,12 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
             raise UserError("command line: --config needs a recipe path; pass --config recipes/MODEL/METHOD.yaml.")
         recipe_path = argv[index + 1]
         argv = argv[:index] + argv[index + 2 :]
-        recipe = _coerce_recipe_values(parser, read_recipe(recipe_path), recipe_path)
+        recipe = read_recipe(recipe_path)
+    recipe, argv, checkpointing = _checkpointing_name_as_installed(recipe, argv, recipe_path or "command line")
+    if checkpointing == "activation_checkpointing":  # TRL's default on by the new name, so nothing warns
+        parser.set_defaults(gradient_checkpointing=None, activation_checkpointing=SFTConfig.gradient_checkpointing)
+    if recipe_path:
+        recipe = _coerce_recipe_values(parser, recipe, recipe_path)
         env = {key: str(value) for key, value in (recipe.pop("env", None) or {}).items()}
         parser.set_defaults(**recipe)
     if cpu.on_cpu():
@@ -183,26 +216,27 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
         source = recipe_path or "command line"
         raise UserError(f"{source}: {_one_sentence(error)}") from None
     if finetune.tiny:
-        _scale_down_for_tiny(script, training, _flags_given(argv))
+        _scale_down_for_tiny(script, training, _flags_given(argv), finetune.dataset_mixture)
     return RunConfig(script, training, model, finetune, recipe_path, set(recipe) | _flags_given(argv), env)
 
 
 def apply_to_process(run: RunConfig) -> None:
-    """The one step that changes the process for a run: the recipe's `env:` block, the CPU process group (FSDP over
-    gloo), and the access token moved out of the arguments the Trainer saves."""
+    """The one step that changes the process for a run: the recipe's `env:` block, the MLflow run to continue, the CPU
+    process group (FSDP over gloo), and the access token moved out of the arguments the Trainer saves."""
     os.environ.update(run.env)
     if run.training.torch_compile and not run.training.gradient_checkpointing:
         # accelerate compiles each decoder layer once and reuses it (see train.compile_per_layer)
         os.environ.setdefault("ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION", "true")
+    tracking.prepare(run.training)
     if cpu.on_cpu():
         cpu.prepare_cpu_process_group()
     _keep_token_out_of_saved_arguments(run.training)
 
 
-def _scale_down_for_tiny(script: ScriptArguments, training: SFTConfig, flags_given: set[str]) -> None:
+def _scale_down_for_tiny(script: ScriptArguments, training: SFTConfig, flags_given: set[str], mixture=None) -> None:
     """A tiny model trains on the bundled sample data, in rows of at most TINY_MAX_LENGTH tokens (packed recipes
     would otherwise put 16k tokens in every CPU step), unless the command line says otherwise."""
-    if "dataset_name" not in flags_given and not Path(script.dataset_name or "").exists():
+    if "dataset_name" not in flags_given and not Path(script.dataset_name or "").exists() and not mixture:
         print(f"[finetune] --tiny: training on the bundled {SAMPLE_DATA} instead of {script.dataset_name}", flush=True)
         script.dataset_name = str(SAMPLE_DATA)
     if "max_length" not in flags_given and (training.max_length or TINY_MAX_LENGTH) > TINY_MAX_LENGTH:
@@ -256,6 +290,7 @@ def check(run: RunConfig) -> None:
             f"{source}: `lora_target_parameters` adapts mixture-of-experts weights, which "
             f"{model.model_name_or_path} does not have; remove it or use lora_target_modules."
         )
+    tracking.check_installed(run.training, source)
     check_deepspeed_agrees(run)
     check_resume_checkpoint(run)
     check_output_dir(run)

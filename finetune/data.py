@@ -7,12 +7,14 @@ rows TRL would silently mis-train on (an empty assistant turn, a conversation th
 
 import json
 import logging
+from functools import partial
 from pathlib import Path
 
 from datasets import Dataset, DatasetDict, load_dataset
 from trl import ScriptArguments, SFTConfig
 from trl.data_utils import is_conversational
 
+from finetune import data_formats
 from finetune.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -66,43 +68,101 @@ def _first_line(error: Exception) -> str:
     return str(error).strip().splitlines()[0].rstrip(".") if str(error).strip() else type(error).__name__
 
 
-def load_datasets(script: ScriptArguments, training: SFTConfig, length_tokenizer=None) -> tuple[Dataset, Dataset | None]:
+def load_datasets(script: ScriptArguments, training: SFTConfig, length_tokenizer=None, sources=None,
+                  record: dict | None = None) -> tuple[Dataset, Dataset | None]:
     """The train split, and the eval split when evaluation is on (carved from train when the data has none).
-    With `length_tokenizer` (truncation: false), a row longer than max_length is refused as well."""
+    With `length_tokenizer` (truncation: false), a row longer than max_length is refused as well. `sources` (finetune's
+    arguments) brings `columns:` and `dataset_mixture:`; `record` receives the rows taken from each source."""
+    mixture = getattr(sources, "dataset_mixture", None)
+    if mixture:
+        train, evaluation = _load_mixture(mixture, script, training, length_tokenizer, record)
+        name = "dataset_mixture"
+    else:
+        train, evaluation = _load_single(script, training, length_tokenizer, getattr(sources, "columns", None))
+        name = script.dataset_name
+    if training.assistant_only_loss and not is_conversational(train[0]):
+        raise UserError(
+            f"{name}: `assistant_only_loss: true` needs conversations (`messages`, or `prompt` and "
+            f"`completion` as lists of turns), and these rows are plain text; set assistant_only_loss: false "
+            f"(prompt-completion rows still train on the completion only)."
+        )
+    if training.eval_strategy == "no":
+        evaluation = None
+    elif evaluation is None:
+        logger.warning(
+            "%s has no `%s` split: evaluating on %.0f%% of the train split.",
+            name, script.dataset_test_split, 100 * EVAL_FRACTION_WHEN_NO_TEST_SPLIT,
+        )
+        parts = train.train_test_split(test_size=EVAL_FRACTION_WHEN_NO_TEST_SPLIT, seed=training.seed)
+        train, evaluation = parts["train"], parts["test"]
+    if record is not None and not mixture:
+        record["train"] = {f"{name} [{script.dataset_train_split}]": len(train)}
+        record["test"] = {f"{name} [{script.dataset_test_split}]": len(evaluation)} if evaluation is not None else {}
+    return train, evaluation
+
+
+def _checked_split(splits: DatasetDict, name: str, split: str, length_tokenizer, max_length, columns) -> Dataset:
+    source = f"{name} [{split}]"
+    rows = data_formats.to_trl_format(splits[split], source, columns)
+    check_rows(rows, source)
+    if length_tokenizer is not None:
+        refuse_long_samples(rows, source, length_tokenizer, max_length)
+    return rows
+
+
+def _load_single(script: ScriptArguments, training: SFTConfig, length_tokenizer, columns):
     if not script.dataset_name:
         raise UserError("recipe: `dataset_name` is not set; give a hub id, a local folder or a .jsonl file.")
+    if columns:
+        columns = data_formats.as_mapping(columns, "recipe", "columns")
     splits = _load(script.dataset_name, script.dataset_config)
     if script.dataset_train_split not in splits:
         raise UserError(
             f"{script.dataset_name}: no split named `{script.dataset_train_split}` (it has {sorted(splits)}); "
             f"set --dataset_train_split to one of them."
         )
-    train = splits[script.dataset_train_split]
-    check_rows(train, f"{script.dataset_name} [{script.dataset_train_split}]")
-    if length_tokenizer is not None:
-        refuse_long_samples(train, f"{script.dataset_name} [{script.dataset_train_split}]", length_tokenizer,
-                            training.max_length)
-    if training.assistant_only_loss and not is_conversational(train[0]):
-        raise UserError(
-            f"{script.dataset_name}: `assistant_only_loss: true` needs conversations (`messages`, or `prompt` and "
-            f"`completion` as lists of turns), and these rows are plain text; set assistant_only_loss: false "
-            f"(prompt-completion rows still train on the completion only)."
-        )
-    if training.eval_strategy == "no":
-        return train, None
-    if script.dataset_test_split in splits:
-        evaluation = splits[script.dataset_test_split]
-        check_rows(evaluation, f"{script.dataset_name} [{script.dataset_test_split}]")
-        if length_tokenizer is not None:
-            refuse_long_samples(evaluation, f"{script.dataset_name} [{script.dataset_test_split}]", length_tokenizer,
-                                training.max_length)
-        return train, evaluation
-    logger.warning(
-        "%s has no `%s` split: evaluating on %.0f%% of the train split.",
-        script.dataset_name, script.dataset_test_split, 100 * EVAL_FRACTION_WHEN_NO_TEST_SPLIT,
-    )
-    parts = train.train_test_split(test_size=EVAL_FRACTION_WHEN_NO_TEST_SPLIT, seed=training.seed)
-    return parts["train"], parts["test"]
+    check = partial(_checked_split, splits, script.dataset_name, length_tokenizer=length_tokenizer,
+                    max_length=training.max_length, columns=columns)
+    train = check(script.dataset_train_split)
+    wants_eval = training.eval_strategy != "no" and script.dataset_test_split in splits
+    return train, check(script.dataset_test_split) if wants_eval else None
+
+
+def _load_mixture(mixture, script: ScriptArguments, training: SFTConfig, length_tokenizer, record: dict | None):
+    """Every source loaded, converted and checked like a single dataset, then mixed; the test mixture comes from each
+    source's test split, or from a share of its rows set aside before mixing, so it holds every source."""
+    mixture = data_formats.check_mixture(mixture, "recipe")
+    seed = mixture.get("seed", training.seed)
+    held_out = mixture.get("test_split_size", EVAL_FRACTION_WHEN_NO_TEST_SPLIT)
+    wants_eval = training.eval_strategy != "no"
+    train_parts, test_parts = [], []
+    for entry in mixture["datasets"]:
+        splits = _load(entry["path"], entry.get("name"))
+        split = entry.get("split", script.dataset_train_split)
+        test_split = entry.get("test_split", script.dataset_test_split)
+        if split not in splits:
+            raise UserError(
+                f"{entry['path']}: no split named `{split}` (it has {sorted(splits)}); set `split:` of its "
+                f"dataset_mixture entry to one of them."
+            )
+        columns = data_formats.as_mapping(entry["columns"], entry["path"], "columns") if entry.get("columns") else None
+        check = partial(_checked_split, splits, entry["path"], length_tokenizer=length_tokenizer,
+                        max_length=training.max_length, columns=columns)
+        rows = check(split)
+        if wants_eval and test_split in splits:
+            test = check(test_split)
+        elif wants_eval:
+            parts = rows.train_test_split(test_size=held_out, seed=seed)
+            rows, test = parts["train"], parts["test"]
+        label = f"{entry['path']} [{split}]"
+        train_parts.append((label, rows, entry.get("fraction")))
+        if wants_eval:
+            test_parts.append((label, test, entry.get("fraction")))
+    train, train_counts = data_formats.mix(train_parts, seed, "recipe `dataset_mixture`")
+    test, test_counts = data_formats.mix(test_parts, seed, "recipe `dataset_mixture`") if test_parts else (None, {})
+    if record is not None:
+        record.update(train=train_counts, test=test_counts, seed=seed)
+    return train, test
 
 
 def refuse_long_samples(dataset: Dataset, source: str, tokenizer, max_length: int | None) -> None:

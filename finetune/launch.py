@@ -14,12 +14,16 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import signal
+import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import yaml
 
+from finetune import make_callable
 from finetune.config_files import (
     local_or_shipped,
     parse_overrides,
@@ -115,6 +119,7 @@ def accelerate_command(argv: list[str]) -> list[str]:
     for flag in LAUNCHER_FLAGS:
         parser.add_argument(f"--{flag}")
     launcher, sft_args = parser.parse_known_args(argv)
+    nothing_configured = not launcher.config_file and not Path(default_config_file()).is_file()
     if launcher.config_file:
         launcher.config_file = check_accelerate_config(launcher.config_file)
     elif Path(default_config_file()).is_file():
@@ -124,14 +129,88 @@ def accelerate_command(argv: list[str]) -> list[str]:
         launcher.num_processes = launcher.num_processes or (processes if launcher.config_file else None)
     accelerate = Path(sys.executable).with_name("accelerate")
     command = [str(accelerate), "launch"] if accelerate.is_file() else [sys.executable, "-m", "accelerate.commands.launch"]
+    command.append("--quiet")  # a failed run ends with its own error, not the launcher's traceback repeating it
     for flag in LAUNCHER_FLAGS:
         if getattr(launcher, flag) is not None:
             command += [f"--{flag}", str(getattr(launcher, flag))]
+    if nothing_configured and not launcher.config_file:
+        command += _values_accelerate_would_warn_about(launcher.num_processes, int(launcher.num_machines or 1))
     return [*command, str(SFT_SCRIPT), *sft_args]
 
 
-def main(argv: list[str]) -> None:
-    """Replace this process with `accelerate launch ...`: its exit code is the run's."""
+def _values_accelerate_would_warn_about(processes: str | None, machines: int) -> list[str]:
+    """Without a config file `accelerate launch` fills these in itself and prints a warning listing them. Its own
+    choices, passed explicitly; mixed precision stays the recipe's (`bf16: true` sets it in the training process)."""
+    import psutil
+
+    values = ["--num_machines", str(machines), "--mixed_precision", "no", "--dynamo_backend", "no"]
+    if processes is None:
+        values += ["--num_processes", "1"]
+    if not os.environ.get("OMP_NUM_THREADS"):
+        physical = psutil.cpu_count(logical=False) or 1
+        values += ["--num_cpu_threads_per_process", str(max(physical // int(processes or 1), 1))]
+    return values
+
+
+ERROR_PREFIX = "error: "  # how finetune.errors.report prints a user mistake
+SAVED_PREFIX = "[finetune] saved to "
+
+
+def run_and_report(command: list[str]) -> tuple[int, str | None, str | None]:
+    """Run `accelerate launch ...`, its output shown as it comes; once a process has printed a user mistake's one
+    sentence, what the launcher prints after it (the other ranks stopping, torch's failure report) is held back.
+    Returns the exit code, that sentence, and the folder the run saved to."""
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    found: dict[str, str] = {}
+
+    def copy(stream, target, prefix: str, stop_after: bool):
+        pending = b""
+        for chunk in iter(lambda: stream.read1(65536), b""):
+            if found.get(ERROR_PREFIX) and stop_after:
+                continue
+            pending += chunk
+            lines = pending.split(b"\n")
+            pending = lines.pop()
+            for line in lines:
+                text = line.decode(errors="replace")
+                if text.startswith(prefix) and prefix not in found:
+                    found[prefix] = text[len(prefix):].strip()
+                if not (found.get(ERROR_PREFIX) and stop_after and not text.startswith(ERROR_PREFIX)):
+                    target.write(text + "\n")
+                    target.flush()
+            if pending and b"\r" in pending:  # progress bars redraw a line without ending it
+                target.write(pending.decode(errors="replace"))
+                target.flush()
+                pending = b""
+        if pending and not found.get(ERROR_PREFIX):
+            target.write(pending.decode(errors="replace"))
+
+    readers = [threading.Thread(target=copy, args=(child.stdout, sys.stdout, SAVED_PREFIX, False), daemon=True),
+               threading.Thread(target=copy, args=(child.stderr, sys.stderr, ERROR_PREFIX, True), daemon=True)]
+    for reader in readers:
+        reader.start()
+    forward = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, lambda *_: child.send_signal(signal.SIGTERM)) if forward else None
+    try:
+        code = child.wait()
+    except KeyboardInterrupt:
+        child.send_signal(signal.SIGINT)
+        child.wait()
+        raise
+    finally:
+        if forward:
+            signal.signal(signal.SIGTERM, previous)
+        for reader in readers:
+            reader.join(timeout=10)
+    return code, found.get(ERROR_PREFIX), found.get(SAVED_PREFIX)
+
+
+def main(argv: list[str]) -> int:
+    """Run `accelerate launch ...`: its exit code is the run's (2 after a user mistake, shown as its one line)."""
     command = accelerate_command(argv)
     print("[finetune] launch: " + " ".join(shlex.quote(part) for part in command), flush=True)
-    os.execv(command[0], command)
+    code, sentence, _ = run_and_report(command)
+    return 2 if sentence else code
+
+
+make_callable(sys.modules[__name__])  # finetune.launch(...) runs finetune.api.launch

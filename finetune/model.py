@@ -4,6 +4,7 @@ recipe's family written to a local folder, so that all three load through the sa
 
 import json
 import logging
+import warnings
 from pathlib import Path
 
 import torch
@@ -18,6 +19,9 @@ from finetune.config import RunConfig
 from finetune.errors import UserError
 
 logger = logging.getLogger(__name__)
+
+# peft's PeftModel (peft_model.py) and TRL read the attribute transformers 5.2x renamed; the warning is theirs to fix
+warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
 
 LLAMA_3_2_TEMPLATE = tiny.TRL_CHAT_TEMPLATES_DIR / "llama3_2.jinja"
 LLAMA_3_2_TRAINING_TEMPLATE = Path(__file__).parent / "chat_templates" / "llama3_2_training.jinja"

@@ -5,6 +5,7 @@ resume from the output folder, a generation config that stops, a record of the r
 import json
 import logging
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -12,7 +13,7 @@ from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel, TrainerCallback
 from trl import SFTTrainer
 
-from finetune import checkpoints, expert_lora, patches
+from finetune import checkpoints, expert_lora, make_callable, patches, tracking
 from finetune import model as model_loading
 from finetune.config import RUN_RECORD, RunConfig, run_identity
 from finetune.config_files import accelerate_config_file, requested_strategy
@@ -21,6 +22,7 @@ from finetune.errors import UserError
 logger = logging.getLogger(__name__)
 
 LOSS_PLOT = "loss.png"
+DATA_RECORD = "finetune_data.json"  # how many rows came from each dataset, beside the run record
 
 
 class SetupMismatch(UserError):
@@ -147,7 +149,10 @@ def build_trainer(run: RunConfig, model: PreTrainedModel, tokenizer, train_set, 
         callbacks=compile_per_layer(run.training),
     )
     expert_lora.use_kernel(trainer, run.finetune.expert_lora_kernel)
-    trainer.add_callback(SetupCheck(trainer, accelerate_config_file()))
+    setup_check = SetupCheck(trainer, accelerate_config_file())
+    trainer.add_callback(setup_check)
+    if tracking.wanted(run.training):
+        trainer.add_callback(tracking.MlflowRecord(run, setup_check))
     return trainer
 
 
@@ -158,6 +163,8 @@ def train_and_save(trainer: SFTTrainer, run: RunConfig, tokenizer) -> None:
     if is_main:
         Path(output_dir).mkdir(parents=True, exist_ok=True)
         (Path(output_dir) / RUN_RECORD).write_text(json.dumps(run_identity(run), indent=2) + "\n")
+        if run.data_sources:
+            (Path(output_dir) / DATA_RECORD).write_text(json.dumps(run.data_sources, indent=2) + "\n")
     show_answers = run.finetune.sample_prompt and trainer.accelerator.num_processes == 1
     if show_answers:
         before = model_loading.answer(trainer.model, tokenizer, run.finetune.sample_prompt)
@@ -170,6 +177,7 @@ def train_and_save(trainer: SFTTrainer, run: RunConfig, tokenizer) -> None:
         if losses:
             print(f"[finetune] train loss: {' -> '.join(f'{loss:.3f}' for loss in losses)}", flush=True)
         save_loss_plot(trainer.state.log_history, Path(output_dir) / LOSS_PLOT)
+        tracking.log_outputs(run.training, [Path(output_dir) / name for name in (LOSS_PLOT, RUN_RECORD, DATA_RECORD)])
         if show_answers:
             after = model_loading.answer(trainer.model, tokenizer, run.finetune.sample_prompt)
             print(f"[finetune] {run.finetune.sample_prompt!r}\n  before training: {before!r}\n  after training:  {after!r}")
@@ -190,12 +198,11 @@ def finish_run(trainer: SFTTrainer) -> None:
 
 
 def save_loss_plot(log_history: list[dict], path: Path) -> None:
-    import matplotlib
+    # A Figure of its own, not pyplot: choosing a backend here would turn off a notebook's inline plots for good
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(figsize=(6, 4))
+    figure = Figure(figsize=(6, 4))
+    axes = figure.subplots()
     for key, label in (("loss", "train"), ("eval_loss", "eval")):
         points = [(entry["step"], entry[key]) for entry in log_history if key in entry]
         if points:
@@ -205,4 +212,6 @@ def save_loss_plot(log_history: list[dict], path: Path) -> None:
     axes.legend()
     figure.tight_layout()
     figure.savefig(path)
-    plt.close(figure)
+
+
+make_callable(sys.modules[__name__])  # finetune.train(...) runs finetune.api.train

@@ -76,10 +76,10 @@ def run_finetune_launch_in_process(launcher: list[str], arguments: list[str], ca
     """`finetune launch ...` in this process; handing over to accelerate would fail the test (a refusal comes first)."""
     from finetune import cli, launch
 
-    def execv(*_):
+    def run_and_report(*_):
         raise AssertionError("finetune launch started accelerate instead of refusing the config file")
 
-    monkeypatch.setattr(launch.os, "execv", execv)
+    monkeypatch.setattr(launch, "run_and_report", run_and_report)
     capfd.readouterr()
     code = cli.main([*launcher[1:], *arguments])
     out, err = capfd.readouterr()

@@ -60,10 +60,12 @@ def test_launch_without_a_config_file_uses_the_planners_choice_for_the_gpus_it_s
     assert command[-5:] == [str(launch.SFT_SCRIPT), "--config", recipe, "--max_steps", "5"]
 
 
-def test_launch_without_gpus_runs_one_process_on_the_cpu(gpus):
+def test_launch_without_gpus_runs_one_process_on_the_cpu_passing_what_accelerate_would_warn_about(gpus, monkeypatch):
     gpus(0)
+    monkeypatch.setattr(launch, "default_config_file", lambda: "/nonexistent/default_config.yaml")
     command = launch.accelerate_command(["--config", "recipes/llama-3.2-1b/full.yaml", "--tiny"])
-    assert "--config_file" not in command and "--num_processes" not in command
+    assert "--config_file" not in command and flag(command, "--num_processes") == "1"
+    assert [flag(command, name) for name in ("--num_machines", "--mixed_precision", "--dynamo_backend")] == ["1", "no", "no"]
     assert command[-4:] == [str(launch.SFT_SCRIPT), "--config", "recipes/llama-3.2-1b/full.yaml", "--tiny"]
 
 

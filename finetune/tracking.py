@@ -1,0 +1,108 @@
+"""MLflow, when `report_to` names it. transformers' MLflowCallback starts the run and logs the training arguments and
+every logged step's metrics; this adds what it does not: the recipe as the user wrote it (flattened into
+`recipe.<key>` params), the setup line, the loss plot and the run records as artifacts, a run named after the output
+folder, and a relaunch that continues the same MLflow run (its id kept in the output folder, handed to the callback
+through MLFLOW_RUN_ID, which it reads).
+
+    pip install -e ".[mlflow]"; export MLFLOW_TRACKING_URI=sqlite:///mlflow.db   (a local store, no server)
+"""
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+from transformers import TrainerCallback
+
+from finetune.errors import UserError
+
+MLFLOW_RUN_FILE = "mlflow_run.json"
+MAX_PARAM_LENGTH = 500
+
+
+def wanted(training) -> bool:
+    return "mlflow" in (training.report_to or [])
+
+
+def check_installed(training, source: str) -> None:
+    """Before anything loads: transformers would otherwise fail deep inside the Trainer's construction."""
+    if wanted(training) and importlib.util.find_spec("mlflow") is None:
+        raise UserError(
+            f"{source}: `report_to: mlflow` needs the mlflow package, which is not installed; "
+            f"pip install -e \".[mlflow]\" or drop mlflow from report_to."
+        )
+
+
+def prepare(training) -> None:
+    """Name the MLflow run after the output folder, and continue the output folder's MLflow run on a relaunch."""
+    if not wanted(training):
+        return
+    if training.run_name is None:
+        training.run_name = training.output_dir
+    recorded = Path(training.output_dir) / MLFLOW_RUN_FILE
+    if recorded.is_file() and "MLFLOW_RUN_ID" not in os.environ:
+        os.environ["MLFLOW_RUN_ID"] = json.loads(recorded.read_text())["run_id"]
+
+
+def flatten(values: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{prefix}{key}."))
+        elif isinstance(value, list) and any(isinstance(item, dict) for item in value):
+            flat.update(flatten(dict(enumerate(value)), f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def recipe_values(run) -> dict:
+    """The keys the recipe and the command line set, with the values the run uses."""
+    values = {}
+    for key in sorted(run.explicit_keys):
+        for arguments in (run.finetune, run.training, run.model, run.script):
+            if hasattr(arguments, key):
+                value = getattr(arguments, key)
+                values[key] = json.loads(value) if isinstance(value, str) and value.startswith("{") else value
+                break
+    return values
+
+
+class MlflowRecord(TrainerCallback):
+    """Once MLflowCallback has started the run: the recipe as params, the setup as tags, the run id in the output
+    folder. Runs after the setup check, so the setup it records is the checked one."""
+
+    def __init__(self, run, setup_check):
+        self.run = run
+        self.setup_check = setup_check
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        import mlflow
+
+        active = mlflow.active_run()
+        if not state.is_world_process_zero or active is None:
+            return
+        logged = mlflow.get_run(active.info.run_id).data.params
+        params = {f"recipe.{key}": str(value)[:MAX_PARAM_LENGTH]
+                  for key, value in flatten(recipe_values(self.run)).items()}
+        # a relaunch that changes a value (more steps) keeps the first value: MLflow refuses to change a param
+        mlflow.log_params({key: value for key, value in params.items() if key not in logged})
+        if self.setup_check.setup is not None:
+            mlflow.set_tags({f"setup.{key}": str(value) for key, value in self.setup_check.setup.items()})
+            mlflow.log_dict(self.setup_check.setup, "setup.json")
+        Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+        record = {"run_id": active.info.run_id, "tracking_uri": mlflow.get_tracking_uri()}
+        (Path(args.output_dir) / MLFLOW_RUN_FILE).write_text(json.dumps(record, indent=2) + "\n")
+
+
+def log_outputs(training, files: list[Path]) -> None:
+    """After the final save (MLflowCallback has ended the run by then): the loss plot and run records as artifacts."""
+    recorded = Path(training.output_dir) / MLFLOW_RUN_FILE
+    if not wanted(training) or not recorded.is_file():
+        return
+    import mlflow
+
+    with mlflow.start_run(run_id=json.loads(recorded.read_text())["run_id"]):
+        for path in files:
+            if path.is_file():
+                mlflow.log_artifact(str(path))

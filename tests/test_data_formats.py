@@ -1,0 +1,116 @@
+"""Data as users have it: Alpaca and ShareGPT rows become `messages`, other column names are mapped, several sources
+mix in chosen shares with a per-source count, and a mixed or unknown file is named with its row and columns."""
+
+import json
+
+import pytest
+from trl import ScriptArguments, SFTConfig
+
+from finetune.config import FinetuneArguments
+from finetune.data import load_datasets
+from finetune.errors import UserError
+
+ALPACA = [{"instruction": "Spell cat backwards.", "input": "", "output": "tac"},
+          {"instruction": "Translate to French.", "input": "dog", "output": "chien"}]
+SHAREGPT = [{"conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Hi"},
+                               {"from": "gpt", "value": "Hello."}]}]
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+def load(dataset_name=None, eval_strategy="no", record=None, **sources):
+    training = SFTConfig(output_dir="unused", use_cpu=True, bf16=False, eval_strategy=eval_strategy, seed=3)
+    return load_datasets(ScriptArguments(dataset_name=dataset_name), training, sources=FinetuneArguments(**sources),
+                         record=record)
+
+
+def test_alpaca_rows_become_a_user_and_an_assistant_turn_and_say_so(tmp_path, capsys):
+    train, _ = load(write_jsonl(tmp_path / "alpaca.jsonl", ALPACA))
+    assert train["messages"] == [
+        [{"role": "user", "content": "Spell cat backwards."}, {"role": "assistant", "content": "tac"}],
+        [{"role": "user", "content": "Translate to French.\n\ndog"}, {"role": "assistant", "content": "chien"}],
+    ]
+    assert "Alpaca rows found; 2 rows converted to `messages`" in capsys.readouterr().out
+
+
+def test_sharegpt_conversations_become_messages_with_chat_roles(tmp_path, capsys):
+    train, _ = load(write_jsonl(tmp_path / "sharegpt.jsonl", SHAREGPT))
+    assert train["messages"] == [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                                  {"role": "assistant", "content": "Hello."}]]
+    assert "ShareGPT rows found; 1 rows converted" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("columns", [{"dialog": "messages"}, '{"dialog": "messages"}'])
+def test_a_column_mapping_from_the_recipe_or_the_command_line_renames_onto_messages(tmp_path, columns):
+    rows = [{"dialog": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}], "id": 7}]
+    train, _ = load(write_jsonl(tmp_path / "dialogs.jsonl", rows), columns=columns)
+    assert train[0]["messages"][1]["content"] == "Hello."
+
+
+def test_a_column_mapping_onto_alpaca_names_converts_too(tmp_path):
+    rows = [{"question": "2+2?", "answer": "4"}]
+    train, _ = load(write_jsonl(tmp_path / "qa.jsonl", rows), columns={"question": "instruction", "answer": "output"})
+    assert train["messages"] == [[{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]]
+
+
+@pytest.mark.parametrize("rows, columns, named", [
+    ([ALPACA[0], *SHAREGPT], None, r"row 2 has columns \['conversations'\], not the Alpaca rows"),
+    ([{"question": "2+2?", "reply": "4"}], None, r"row 1 has columns \['question', 'reply'\], which match no format"),
+    ([{"question": "2+2?"}], {"query": "prompt"}, r"`columns` maps `query`, which the data does not have"),
+    ([{"conversations": [{"from": "bot", "value": "hi"}]}], None, r"row 1 turn 1 has `from: bot`"),
+])
+def test_mixed_unknown_or_misnamed_rows_are_one_sentence_naming_file_row_and_columns(tmp_path, rows, columns, named):
+    path = write_jsonl(tmp_path / "rows.jsonl", rows)
+    with pytest.raises(UserError, match=named) as error:
+        load(path, columns=columns)
+    assert str(error.value).startswith(path)
+
+
+def test_three_sources_mix_in_their_fractions_with_rows_per_source_recorded_and_a_mixed_test_split(tmp_path):
+    alpaca = write_jsonl(tmp_path / "alpaca.jsonl", [{"instruction": f"q{i}", "output": f"a{i}"} for i in range(40)])
+    sharegpt = write_jsonl(tmp_path / "sharegpt.jsonl", [{"conversations": [
+        {"from": "human", "value": f"h{i}"}, {"from": "gpt", "value": f"g{i}"}]} for i in range(100)])
+    renamed = write_jsonl(tmp_path / "dialogs.jsonl", [{"dialog": [
+        {"role": "user", "content": f"u{i}"}, {"role": "assistant", "content": f"d{i}"}]} for i in range(60)])
+    mixture = {"seed": 5, "test_split_size": 0.1, "datasets": [
+        {"path": alpaca, "fraction": 0.2},
+        {"path": sharegpt, "fraction": 0.5},
+        {"path": renamed, "columns": {"dialog": "messages"}, "fraction": 0.3},
+    ]}
+    record = {}
+    train, test = load(eval_strategy="steps", record=record, dataset_mixture=mixture)
+    # 36 alpaca rows remain after the 10% test share; at 20% they cap the mixture at 180 rows: 36 + 90 + 54
+    assert record["train"] == {f"{alpaca} [train]": 36, f"{sharegpt} [train]": 90, f"{renamed} [train]": 54}
+    assert record["test"] == {f"{alpaca} [train]": 4, f"{sharegpt} [train]": 10, f"{renamed} [train]": 6}
+    assert (len(train), len(test)) == (180, 20)
+    answers = [messages[-1]["content"] for messages in train["messages"]]
+    assert sum(answer.startswith("a") for answer in answers) == 36 and sum(a.startswith("g") for a in answers) == 90
+    assert answers[:36] != [f"a{i}" for i in range(36)], "the sources are shuffled together, not stacked"
+    test_answers = {messages[-1]["content"] for messages in test["messages"]}
+    assert test_answers.isdisjoint(answers)
+    again, _ = load(eval_strategy="steps", dataset_mixture=mixture)
+    assert again["messages"] == train["messages"]  # the seed decides, not the run
+
+
+def test_a_source_cut_to_its_share_gives_a_sample_not_its_head(tmp_path):
+    sorted_rows = write_jsonl(tmp_path / "sorted.jsonl", [{"instruction": f"q{i}", "output": f"a{i:02d}"} for i in range(40)])
+    small = write_jsonl(tmp_path / "small.jsonl", [{"instruction": "q", "output": "b"}] * 4)
+    record = {}
+    train, _ = load(record=record, dataset_mixture={"datasets": [{"path": sorted_rows, "fraction": 0.5},
+                                                                  {"path": small, "fraction": 0.5}]})
+    assert record["train"] == {f"{sorted_rows} [train]": 4, f"{small} [train]": 4}
+    taken = sorted(answer for answer in (m[-1]["content"] for m in train["messages"]) if answer != "b")
+    assert taken != ["a00", "a01", "a02", "a03"]
+
+
+@pytest.mark.parametrize("mixture, named", [
+    ({"datasets": [{"path": "a.jsonl", "fraction": 1}, {"path": "b.jsonl"}]}, "sets `fraction` on some entries only"),
+    ({"datasets": [{"path": "a.jsonl", "weight": 1}]}, "unknown key `weight`"),
+    ({"sources": []}, "unknown key `sources`"),
+])
+def test_a_malformed_mixture_is_refused_before_anything_loads(mixture, named):
+    with pytest.raises(UserError, match=named):
+        load(dataset_mixture=mixture)
