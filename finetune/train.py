@@ -160,7 +160,8 @@ def train_and_save(trainer: SFTTrainer, run: RunConfig, tokenizer) -> None:
         (Path(output_dir) / RUN_RECORD).write_text(json.dumps(run_identity(run), indent=2) + "\n")
     show_answers = run.finetune.sample_prompt and trainer.accelerator.num_processes == 1
     if show_answers:
-        before = model_loading.answer(trainer.model, tokenizer, run.finetune.sample_prompt)
+        before = model_loading.answer(trainer.model, tokenizer, run.finetune.sample_prompt,
+                                     chat_template_kwargs=run.finetune.chat_template_kwargs)
     trainer.train(resume_from_checkpoint=resume_from)
     checkpoints.exit_if_preempted(trainer)  # SIGTERM: the checkpoint is saved; exit 143 without the final save
     trainer.save_model(output_dir)
@@ -171,7 +172,8 @@ def train_and_save(trainer: SFTTrainer, run: RunConfig, tokenizer) -> None:
             print(f"[finetune] train loss: {' -> '.join(f'{loss:.3f}' for loss in losses)}", flush=True)
         save_loss_plot(trainer.state.log_history, Path(output_dir) / LOSS_PLOT)
         if show_answers:
-            after = model_loading.answer(trainer.model, tokenizer, run.finetune.sample_prompt)
+            after = model_loading.answer(trainer.model, tokenizer, run.finetune.sample_prompt,
+                                        chat_template_kwargs=run.finetune.chat_template_kwargs)
             print(f"[finetune] {run.finetune.sample_prompt!r}\n  before training: {before!r}\n  after training:  {after!r}")
         print(f"[finetune] saved to {output_dir}", flush=True)
 
