@@ -75,7 +75,9 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = 
 
 def to_hub_tensors(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
     """The tensors a hub checkpoint stores for one in-memory tensor: blocks and scales for an expert weight,
-    the tensor itself in bf16 otherwise (expert biases included)."""
+    the tensor itself in bf16 otherwise (expert biases included). Blocks and scales given as such are kept."""
+    if name.endswith(("_blocks", "_scales")):
+        return {name: tensor.contiguous()}
     for weight in EXPERT_WEIGHTS:
         if name.endswith(f"mlp.experts.{weight}"):
             blocks, scales = quantize(tensor)
@@ -124,14 +126,15 @@ def _write_shard(tensors: dict, folder: Path, number: int) -> tuple[Path, list[s
     return path, sorted(tensors), sum(tensor.nbytes for tensor in tensors.values())
 
 
-def stored_expert_weights(folder: Path) -> dict[str, torch.Tensor]:
-    """Every expert weight of a checkpoint folder, dequantized here from its stored blocks and scales."""
+def stored_expert_weights(folder: Path, layer: int | None = None) -> dict[str, torch.Tensor]:
+    """Every expert weight of a checkpoint folder (or of one layer), dequantized here from its stored blocks and
+    scales."""
     from safetensors import safe_open
 
     index = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
     weights = {}
     for name in sorted(index):
-        if not name.endswith("_blocks"):
+        if not name.endswith("_blocks") or layer is not None and not name.startswith(f"model.layers.{layer}."):
             continue
         weight = name.removesuffix("_blocks")
         with safe_open(str(folder / index[name]), "pt") as blocks_file:
