@@ -6,8 +6,8 @@ scripts/sft.py does (the recipe's from_pretrained arguments: Mxfp4Config(dequant
 moves it to the GPU, and once more with device_map="cuda" (dequantized on the GPU). Each load checks the first
 layer's experts against finetune.mxfp4's own dequantization of the stored bytes.
 
-    python scripts/mxfp4_load_check.py                    # on the H200: 24 layers, ~13 GB written to --folder
-    python scripts/mxfp4_load_check.py --layers 1 --device cpu   # the same path on a CPU (~4 GB of memory)
+    python benchmarks/mxfp4_load_check.py                    # on the H200: 24 layers, ~13 GB written to --folder
+    python benchmarks/mxfp4_load_check.py --layers 1 --device cpu   # the same path on a CPU (~4 GB of memory)
 """
 
 import argparse
