@@ -81,6 +81,25 @@ class FinetuneArguments:
         metadata={"help": "false: a sample longer than max_length stops the run before the model loads, instead of "
                           "being cut by TRL (which can cut away the whole answer)."},
     )
+    chat_template_kwargs: dict | str | None = field(
+        default=None,
+        metadata={"help": "Values the chat template reads, in training rows and sample answers alike, e.g. "
+                          "'{\"reasoning_effort\": \"high\"}' for GPT-OSS; a row's own `chat_template_kwargs` win."},
+    )
+    dequantize_mxfp4: bool = field(
+        default=True,
+        metadata={"help": "MXFP4 checkpoints (openai/gpt-oss-*): dequantize the experts to the training dtype on load. "
+                          "Training needs it (4-bit experts carry no gradients)."},
+    )
+
+    def __post_init__(self):
+        if isinstance(self.chat_template_kwargs, str):
+            try:
+                self.chat_template_kwargs = json.loads(self.chat_template_kwargs)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"`chat_template_kwargs` is not valid JSON ({error.msg}); give a JSON object") from None
+        if self.chat_template_kwargs is not None and not isinstance(self.chat_template_kwargs, dict):
+            raise ValueError("`chat_template_kwargs` must be a mapping such as {reasoning_effort: high}")
 
 
 @dataclass
@@ -285,6 +304,7 @@ def check(run: RunConfig) -> None:
             f"{accelerate_config_file()}: QLoRA's 4-bit weights cannot be "
             f"sharded by {strategy.upper()} here; launch with accelerate_configs/ddp.yaml or zero2.yaml instead."
         )
+    check_mxfp4(run, source)
     if model.lora_target_parameters and model_family(model.model_name_or_path) != "gpt-oss":
         raise UserError(
             f"{source}: `lora_target_parameters` adapts mixture-of-experts weights, which "
@@ -294,6 +314,26 @@ def check(run: RunConfig) -> None:
     check_deepspeed_agrees(run)
     check_resume_checkpoint(run)
     check_output_dir(run)
+
+
+def check_mxfp4(run: RunConfig, source: str) -> None:
+    """An MXFP4 checkpoint (the recipe's, which --tiny stands in for) trains only dequantized to the training dtype."""
+    from finetune import mxfp4
+
+    name = run.model.model_name_or_path
+    if not mxfp4.is_mxfp4_checkpoint(name):
+        return
+    if not run.finetune.dequantize_mxfp4:
+        raise UserError(
+            f"{source}: `dequantize_mxfp4: false` keeps {name}'s experts in 4-bit MXFP4, which carry no gradients "
+            f"(nothing would train through them); remove it so they load dequantized to the training dtype."
+        )
+    if run.model.load_in_4bit or run.model.load_in_8bit:
+        flag = "load_in_4bit" if run.model.load_in_4bit else "load_in_8bit"
+        raise UserError(
+            f"{source}: `{flag}: true` asks bitsandbytes to quantize {name}, whose experts are already MXFP4 and "
+            f"load dequantized; remove {flag} (LoRA on the bf16 model is the GPT-OSS recipe)."
+        )
 
 
 # DeepSpeed JSON keys that must equal the recipe's value when they are not "auto".

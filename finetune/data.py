@@ -21,6 +21,10 @@ logger = logging.getLogger(__name__)
 
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 ROLES = {"system", "developer", "user", "assistant", "tool"}
+# GPT-OSS's harmony format: the chat template writes these around each message. Inside a row's text they would be
+# read as real turn boundaries (the tiny and hub tokenizers map them to their special tokens).
+HARMONY_TAGS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>", "<|call|>", "<|constrain|>",
+                "<|startoftext|>", "<|endoftext|>")
 EVAL_FRACTION_WHEN_NO_TEST_SPLIT = 0.05
 
 
@@ -69,16 +73,20 @@ def _first_line(error: Exception) -> str:
 
 
 def load_datasets(script: ScriptArguments, training: SFTConfig, length_tokenizer=None, sources=None,
-                  record: dict | None = None) -> tuple[Dataset, Dataset | None]:
+                  record: dict | None = None, *, tokenizer=None) -> tuple[Dataset, Dataset | None]:
     """The train split, and the eval split when evaluation is on (carved from train when the data has none).
     With `length_tokenizer` (truncation: false), a row longer than max_length is refused as well. `sources` (finetune's
-    arguments) brings `columns:` and `dataset_mixture:`; `record` receives the rows taken from each source."""
+    arguments) brings `columns:`, `dataset_mixture:` and `chat_template_kwargs:` (given to every conversational row:
+    TRL passes a row's `chat_template_kwargs` to the chat template); `record` receives the rows taken from each
+    source. With `tokenizer`, reasoning traces (`thinking`) are checked against what its chat template renders."""
+    checks = {"length_tokenizer": length_tokenizer, "max_length": training.max_length, "tokenizer": tokenizer,
+              "chat_template_kwargs": getattr(sources, "chat_template_kwargs", None)}
     mixture = getattr(sources, "dataset_mixture", None)
     if mixture:
-        train, evaluation = _load_mixture(mixture, script, training, length_tokenizer, record)
+        train, evaluation = _load_mixture(mixture, script, training, checks, record)
         name = "dataset_mixture"
     else:
-        train, evaluation = _load_single(script, training, length_tokenizer, getattr(sources, "columns", None))
+        train, evaluation = _load_single(script, training, checks, getattr(sources, "columns", None))
         name = script.dataset_name
     if training.assistant_only_loss and not is_conversational(train[0]):
         raise UserError(
@@ -101,16 +109,19 @@ def load_datasets(script: ScriptArguments, training: SFTConfig, length_tokenizer
     return train, evaluation
 
 
-def _checked_split(splits: DatasetDict, name: str, split: str, length_tokenizer, max_length, columns) -> Dataset:
+def _checked_split(splits: DatasetDict, name: str, split: str, columns, length_tokenizer, max_length, tokenizer,
+                   chat_template_kwargs) -> Dataset:
     source = f"{name} [{split}]"
-    rows = data_formats.to_trl_format(splits[split], source, columns)
+    rows = with_chat_template_kwargs(data_formats.to_trl_format(splits[split], source, columns), chat_template_kwargs)
     check_rows(rows, source)
+    if tokenizer is not None:
+        check_reasoning_traces(rows, source, tokenizer, max_length)
     if length_tokenizer is not None:
         refuse_long_samples(rows, source, length_tokenizer, max_length)
     return rows
 
 
-def _load_single(script: ScriptArguments, training: SFTConfig, length_tokenizer, columns):
+def _load_single(script: ScriptArguments, training: SFTConfig, checks: dict, columns):
     if not script.dataset_name:
         raise UserError("recipe: `dataset_name` is not set; give a hub id, a local folder or a .jsonl file.")
     if columns:
@@ -121,14 +132,13 @@ def _load_single(script: ScriptArguments, training: SFTConfig, length_tokenizer,
             f"{script.dataset_name}: no split named `{script.dataset_train_split}` (it has {sorted(splits)}); "
             f"set --dataset_train_split to one of them."
         )
-    check = partial(_checked_split, splits, script.dataset_name, length_tokenizer=length_tokenizer,
-                    max_length=training.max_length, columns=columns)
+    check = partial(_checked_split, splits, script.dataset_name, columns=columns, **checks)
     train = check(script.dataset_train_split)
     wants_eval = training.eval_strategy != "no" and script.dataset_test_split in splits
     return train, check(script.dataset_test_split) if wants_eval else None
 
 
-def _load_mixture(mixture, script: ScriptArguments, training: SFTConfig, length_tokenizer, record: dict | None):
+def _load_mixture(mixture, script: ScriptArguments, training: SFTConfig, checks: dict, record: dict | None):
     """Every source loaded, converted and checked like a single dataset, then mixed; the test mixture comes from each
     source's test split, or from a share of its rows set aside before mixing, so it holds every source."""
     mixture = data_formats.check_mixture(mixture, "recipe")
@@ -146,8 +156,7 @@ def _load_mixture(mixture, script: ScriptArguments, training: SFTConfig, length_
                 f"dataset_mixture entry to one of them."
             )
         columns = data_formats.as_mapping(entry["columns"], entry["path"], "columns") if entry.get("columns") else None
-        check = partial(_checked_split, splits, entry["path"], length_tokenizer=length_tokenizer,
-                        max_length=training.max_length, columns=columns)
+        check = partial(_checked_split, splits, entry["path"], columns=columns, **checks)
         rows = check(split)
         if wants_eval and test_split in splits:
             test = check(test_split)
@@ -182,13 +191,15 @@ def refuse_long_samples(dataset: Dataset, source: str, tokenizer, max_length: in
 def _token_count(row: dict, tokenizer) -> int:
     """Tokens of a row as TRL tokenizes it: the chat template for conversations, plain text plus EOS otherwise."""
     data_format = dataset_format(list(row))
+    template_kwargs = _template_kwargs(row)
     if data_format == "messages":
-        return len(tokenizer.apply_chat_template(row["messages"], tokenize=True, return_dict=True)["input_ids"])
+        return len(tokenizer.apply_chat_template(row["messages"], tokenize=True, return_dict=True,
+                                                 **template_kwargs)["input_ids"])
     if data_format == "text":
         return len(tokenizer(row["text"])["input_ids"]) + 1
     if isinstance(row["prompt"], list):
         turns = row["prompt"] + row["completion"]
-        return len(tokenizer.apply_chat_template(turns, tokenize=True, return_dict=True)["input_ids"])
+        return len(tokenizer.apply_chat_template(turns, tokenize=True, return_dict=True, **template_kwargs)["input_ids"])
     return len(tokenizer(row["prompt"] + row["completion"])["input_ids"]) + 1
 
 
@@ -244,6 +255,23 @@ def _turns_problem(turns, column: str) -> str | None:
             return f"turn {position} of `{column}` has role {role!r}; use one of {sorted(ROLES)}"
         if not isinstance(turn.get("content"), str) or (turn["role"] == "assistant" and not turn["content"].strip()):
             return f"turn {position} of `{column}` ({turn['role']}) has empty content; fill it or remove the row"
+        problem = _harmony_problem(turn, f"turn {position} of `{column}` ({turn['role']})")
+        if problem:
+            return problem
+    return None
+
+
+def _harmony_problem(turn: dict, where: str) -> str | None:
+    thinking = turn.get("thinking")
+    if thinking is not None and not isinstance(thinking, str):
+        return f"{where} has a `thinking` that is not text; make it a string (the reasoning trace) or remove it"
+    for field_name in ("content", "thinking"):
+        tag = next((tag for tag in HARMONY_TAGS if tag in (turn.get(field_name) or "")), None)
+        if tag:
+            return (
+                f"{where} holds the harmony tag {tag} in its `{field_name}`, which the chat template writes itself; "
+                f"give the plain text (the reasoning in `thinking`, the answer in `content`) without tags"
+            )
     return None
 
 
@@ -258,3 +286,63 @@ def _conversation_problem(turns, column: str) -> str | None:
         if role == "assistant" and before not in ("user", "tool"):
             return f"turn {position} of `{column}` is an assistant turn after {before!r}; an assistant answers a user or tool turn"
     return None
+
+
+def with_chat_template_kwargs(dataset: Dataset, values: dict | None) -> Dataset:
+    """Every conversational row carries the recipe's chat template values (its own values win), in the
+    `chat_template_kwargs` column TRL passes to the chat template row by row."""
+    if not values or dataset_format(dataset.column_names) not in ("messages", "prompt-completion"):
+        return dataset
+    return dataset.map(lambda row: {"chat_template_kwargs": {**values, **_template_kwargs(row)}})
+
+
+def _template_kwargs(row: dict) -> dict:
+    """A row's own chat template values (Arrow fills the keys other rows have with None: those are not values)."""
+    return {key: value for key, value in (row.get("chat_template_kwargs") or {}).items() if value is not None}
+
+
+def check_reasoning_traces(dataset: Dataset, source: str, tokenizer, max_length: int | None) -> None:
+    """Reasoning traces (`thinking` on assistant turns) reach the loss only where the chat template renders them.
+
+    A template that renders no trace at all (Llama 3.2) would drop every one: refused. GPT-OSS's renders the trace of
+    the conversation's last assistant turn only and drops earlier ones, and TRL cuts rows longer than max_length at
+    the end, where that trace and its answer are: each is a warning naming the rows."""
+    if dataset_format(dataset.column_names) != "messages":
+        return
+    traced = [index for index, turns in enumerate(dataset["messages"]) if any(turn.get("thinking") for turn in turns)]
+    if not traced:
+        return
+    probe = "reasoning-trace-probe"
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "?"}, {"role": "assistant", "content": "!", "thinking": probe}], tokenize=False
+    )
+    if probe not in rendered:
+        raise UserError(
+            f"{source}: row {traced[0] + 1} has a reasoning trace (`thinking`), which this model's chat template never "
+            f"renders, so it would be dropped without a word; remove the `thinking` fields or train a model with a "
+            f"reasoning channel (recipes/gpt-oss-*)."
+        )
+    dropped, cut = [], []
+    for index in traced:
+        row = dataset[index]
+        text = tokenizer.apply_chat_template(row["messages"], tokenize=False, **_template_kwargs(row))
+        if any(turn.get("thinking") and turn["thinking"] not in text for turn in row["messages"]):
+            dropped.append(index + 1)
+        if max_length is not None and len(tokenizer(text, add_special_tokens=False)["input_ids"]) > max_length:
+            cut.append(index + 1)
+    if dropped:
+        logger.warning(
+            "%s: rows %s have reasoning traces on earlier assistant turns, which the chat template drops (only the "
+            "last assistant turn's trace is rendered and trained); split such conversations to train those traces.",
+            source, _row_list(dropped),
+        )
+    if cut:
+        logger.warning(
+            "%s: rows %s are longer than max_length %d: TRL cuts their end, the last turn's reasoning trace and "
+            "answer; raise max_length or set truncation: false to stop on them.", source, _row_list(cut), max_length,
+        )
+
+
+def _row_list(rows: list[int], shown: int = 10) -> str:
+    listed = ", ".join(map(str, rows[:shown]))
+    return listed + (f" and {len(rows) - shown} more" if len(rows) > shown else "")

@@ -2,7 +2,6 @@
 recipe's family written to a local folder, so that all three load through the same `from_pretrained` call.
 """
 
-import json
 import logging
 import warnings
 from pathlib import Path
@@ -13,7 +12,7 @@ from peft import LoraConfig
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, Mxfp4Config, PreTrainedModel
 from trl import get_peft_config, get_quantization_config
 
-from finetune import attention, cpu, tiny
+from finetune import attention, cpu, mxfp4, tiny
 from finetune.architectures import model_family
 from finetune.config import RunConfig
 from finetune.errors import UserError
@@ -50,13 +49,6 @@ def load_tokenizer(model_path: str, assistant_only_loss: bool):
     return tokenizer
 
 
-def _is_mxfp4_checkpoint(model_path: str) -> bool:
-    config_file = Path(model_path) / "config.json"
-    if config_file.is_file():
-        return (json.loads(config_file.read_text()).get("quantization_config") or {}).get("quant_method") == "mxfp4"
-    return model_family(model_path) == "gpt-oss"  # the hub's GPT-OSS checkpoints store their experts in MXFP4
-
-
 def model_init_kwargs(run: RunConfig, model_path: str) -> dict:
     kwargs = {
         "dtype": run.model.dtype or "auto",
@@ -71,8 +63,9 @@ def model_init_kwargs(run: RunConfig, model_path: str) -> dict:
     if quantization is not None:
         kwargs["quantization_config"] = quantization
         kwargs["device_map"] = {"": "cpu" if cpu.on_cpu() else PartialState().local_process_index}
-    elif _is_mxfp4_checkpoint(model_path):
-        # Training needs the experts in bf16: MXFP4 weights have no gradients.
+    elif mxfp4.is_mxfp4_checkpoint(model_path) and run.finetune.dequantize_mxfp4:
+        # Training needs the experts in the training dtype: MXFP4 weights have no gradients. (transformers 5.24
+        # dequantizes to the dtype the model loads in, 5.17 to bf16; FP4 values times powers of two are exact in both.)
         kwargs["quantization_config"] = Mxfp4Config(dequantize=True)
     return {key: value for key, value in kwargs.items() if value is not None}
 
@@ -108,10 +101,14 @@ def fix_generation_config(model: PreTrainedModel, tokenizer) -> None:
     model.generation_config = generation
 
 
-def answer(model: PreTrainedModel, tokenizer, prompt: str, max_new_tokens: int = 24) -> str:
-    """One greedy answer to a user message, through the chat template the model is trained with."""
+def answer(
+    model: PreTrainedModel, tokenizer, prompt: str, max_new_tokens: int = 24, chat_template_kwargs: dict | None = None
+) -> str:
+    """One greedy answer to a user message, through the chat template the model is trained with and the values it
+    was trained with (`chat_template_kwargs`, e.g. GPT-OSS's reasoning_effort)."""
     inputs = tokenizer.apply_chat_template(
-        [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True,
+        **(chat_template_kwargs or {}),
     ).to(model.device)
     was_training = model.training
     model.eval()

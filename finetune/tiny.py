@@ -123,3 +123,32 @@ def tiny_model_folder(family: str) -> Path:
 
         shutil.rmtree(staging, ignore_errors=True)
     return folder
+
+
+def tiny_mxfp4_folder() -> Path:
+    """The tiny GPT-OSS written as the hub ships openai/gpt-oss-*: experts in MXFP4 (blocks and scales), every other
+    tensor in bf16, sharded with an index, `quantization_config: {quant_method: mxfp4}` in config.json."""
+    import shutil
+    import tempfile
+
+    import safetensors.torch
+    from transformers import AutoConfig
+
+    from finetune import mxfp4
+
+    source = tiny_model_folder("gpt-oss")
+    folder = source.parent / f"{source.name}-mxfp4"
+    if (folder / "config.json").is_file():
+        return folder
+    staging = Path(tempfile.mkdtemp(dir=source.parent, prefix=f".{folder.name}-"))
+    tensors = safetensors.torch.load_file(str(source / "model.safetensors"))
+    mxfp4.write_checkpoint(AutoConfig.from_pretrained(source), sorted(tensors.items()), staging)
+    for name in ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                 "chat_template.jinja"):
+        if (source / name).is_file():
+            shutil.copy(source / name, staging / name)
+    try:
+        staging.rename(folder)
+    except OSError:  # another process finished first; its folder is identical
+        shutil.rmtree(staging, ignore_errors=True)
+    return folder

@@ -167,7 +167,8 @@ def train_and_save(trainer: SFTTrainer, run: RunConfig, tokenizer) -> None:
             (Path(output_dir) / DATA_RECORD).write_text(json.dumps(run.data_sources, indent=2) + "\n")
     show_answers = run.finetune.sample_prompt and trainer.accelerator.num_processes == 1
     if show_answers:
-        before = model_loading.answer(trainer.model, tokenizer, run.finetune.sample_prompt)
+        before = model_loading.answer(trainer.model, tokenizer, run.finetune.sample_prompt,
+                                     chat_template_kwargs=run.finetune.chat_template_kwargs)
     trainer.train(resume_from_checkpoint=resume_from)
     checkpoints.exit_if_preempted(trainer)  # SIGTERM: the checkpoint is saved; exit 143 without the final save
     trainer.save_model(output_dir)
@@ -179,7 +180,8 @@ def train_and_save(trainer: SFTTrainer, run: RunConfig, tokenizer) -> None:
         save_loss_plot(trainer.state.log_history, Path(output_dir) / LOSS_PLOT)
         tracking.log_outputs(run.training, [Path(output_dir) / name for name in (LOSS_PLOT, RUN_RECORD, DATA_RECORD)])
         if show_answers:
-            after = model_loading.answer(trainer.model, tokenizer, run.finetune.sample_prompt)
+            after = model_loading.answer(trainer.model, tokenizer, run.finetune.sample_prompt,
+                                        chat_template_kwargs=run.finetune.chat_template_kwargs)
             print(f"[finetune] {run.finetune.sample_prompt!r}\n  before training: {before!r}\n  after training:  {after!r}")
         print(f"[finetune] saved to {output_dir}", flush=True)
 

@@ -4,6 +4,7 @@ SIGTERM, each relaunch ending bitwise equal to the uninterrupted 2-process run."
 import random
 
 import pytest
+
 from tests.preemption import (
     SEED,
     kill_positions,

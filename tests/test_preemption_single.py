@@ -8,6 +8,9 @@ import subprocess
 
 import pytest
 import torch
+
+from finetune.checkpoints import MARKER, checkpoint_problem
+from tests.helpers import run_sft_in_process
 from tests.preemption import (
     SEED,
     WEIGHTS,
@@ -23,9 +26,6 @@ from tests.preemption import (
     tmpfs,
     training_data,  # noqa: F401  (autouse fixture: the module's training data file)
 )
-
-from finetune.checkpoints import MARKER, checkpoint_problem
-from tests.helpers import run_sft_in_process
 
 pytestmark = pytest.mark.xdist_group("test_preemption_single")  # one worker: its launches are module fixtures
 

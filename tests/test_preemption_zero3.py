@@ -4,6 +4,7 @@ SIGKILLs and SIGTERM, each relaunch ending bitwise equal to the uninterrupted Ze
 import random
 
 import pytest
+
 from tests.preemption import (
     SEED,
     kill_positions,
