@@ -50,7 +50,7 @@ def load_tokenizer(model_path: str, assistant_only_loss: bool):
     return tokenizer
 
 
-def _is_mxfp4_checkpoint(model_path: str) -> bool:
+def is_mxfp4_checkpoint(model_path: str) -> bool:
     config_file = Path(model_path) / "config.json"
     if config_file.is_file():
         return (json.loads(config_file.read_text()).get("quantization_config") or {}).get("quant_method") == "mxfp4"
@@ -71,7 +71,7 @@ def model_init_kwargs(run: RunConfig, model_path: str) -> dict:
     if quantization is not None:
         kwargs["quantization_config"] = quantization
         kwargs["device_map"] = {"": "cpu" if cpu.on_cpu() else PartialState().local_process_index}
-    elif _is_mxfp4_checkpoint(model_path):
+    elif is_mxfp4_checkpoint(model_path):
         # Training needs the experts in bf16: MXFP4 weights have no gradients.
         kwargs["quantization_config"] = Mxfp4Config(dequantize=True)
     return {key: value for key, value in kwargs.items() if value is not None}
