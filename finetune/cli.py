@@ -1,4 +1,4 @@
-"""The `finetune` console command: `finetune plan ...`, `finetune merge ...`, `finetune launch ...` (more subcommands register themselves the same way).
+"""The `finetune` console command: `finetune plan | merge | launch | chat | generate | eval ...`.
 
 Each subcommand is a function `add_<name>(subparsers)` that declares its arguments and sets `func`; heavy imports
 (torch, transformers) stay inside the subcommand's function so that `finetune plan` answers at once.
@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 
 def _run_plan(args: argparse.Namespace, extra: list[str]) -> int:
@@ -90,7 +91,121 @@ def add_launch(subparsers) -> None:
     p.set_defaults(func=_run_launch, accepts_extra=True)
 
 
-SUBCOMMANDS = [add_plan, add_merge, add_launch]
+def _add_model_arguments(p) -> None:
+    p.add_argument("output_dir", help="a training run's output_dir: a full model or a LoRA adapter")
+    p.add_argument("--base", help="base model of a LoRA adapter (default: the one in its adapter_config.json)")
+    p.add_argument("--device", help="cuda, cuda:1, cpu... (default: cuda when there is a GPU; bf16 there, float32 on CPU)")
+    p.add_argument("--max_new_tokens", type=int, default=256, help="most tokens generated per answer")
+
+
+def _run_chat(args: argparse.Namespace, extra: list[str]) -> int:
+    from finetune import inference
+    from finetune.errors import UserError, report
+
+    try:
+        model, tokenizer = inference.load_trained(args.output_dir, args.base, args.device)
+    except UserError as error:
+        return report(error)
+    generation = inference.generation_kwargs(args.temperature, args.top_p, args.max_new_tokens)
+    inference.chat(model, tokenizer, system=args.system, generation=generation)
+    return 0
+
+
+def add_chat(subparsers) -> None:
+    p = subparsers.add_parser(
+        "chat", help="talk to a trained model (reads stdin line by line: `echo hi | finetune chat OUTPUT_DIR`)",
+        description="Chat with a trained model through its saved chat template and generation config; answers are "
+        "streamed. /reset starts a new conversation, /exit quits.",
+    )
+    _add_model_arguments(p)
+    p.add_argument("--system", help="a system message that opens every conversation")
+    p.add_argument("--temperature", type=float, help="0 is greedy (default: the saved generation config)")
+    p.add_argument("--top_p", type=float, help="nucleus sampling (default: the saved generation config)")
+    p.set_defaults(func=_run_chat)
+
+
+def _run_generate(args: argparse.Namespace, extra: list[str]) -> int:
+    import json
+
+    from finetune import inference
+    from finetune.errors import UserError, report
+
+    try:
+        prompts = inference.read_prompts(args.prompts)
+        model, tokenizer = inference.load_trained(args.output_dir, args.base, args.device)
+    except UserError as error:
+        return report(error)
+    generation = inference.generation_kwargs(args.temperature, args.top_p, args.max_new_tokens)
+    answers = inference.generate_answers(model, tokenizer, [turns for _, turns in prompts], args.batch_size, **generation)
+    with open(args.out, "w", encoding="utf-8") as out:
+        out.writelines(json.dumps({**row, "answer": answer}, ensure_ascii=False) + "\n"
+                       for (row, _), answer in zip(prompts, answers))
+    print(f"[finetune] {len(answers)} answers written to {args.out}")
+    return 0
+
+
+def add_generate(subparsers) -> None:
+    p = subparsers.add_parser(
+        "generate", help="answer a file of prompts in batches (one JSON line per prompt, with its answer)",
+        description="PROMPTS is a .jsonl of `messages` or `prompt` rows, or a text file with one prompt per line.",
+    )
+    _add_model_arguments(p)
+    p.add_argument("--prompts", required=True, help=".jsonl of `messages`/`prompt` rows, or plain text lines")
+    p.add_argument("--out", required=True, help="where to write the answers (.jsonl)")
+    p.add_argument("--batch_size", type=int, default=16)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (the default) is greedy")
+    p.add_argument("--top_p", type=float)
+    p.set_defaults(func=_run_generate)
+
+
+def _run_eval(args: argparse.Namespace, extra: list[str]) -> int:
+    from finetune import data, inference
+    from finetune.errors import UserError, report
+
+    names = [args.output_dir] + ([args.compare] if args.compare else [])
+    try:
+        conversations = inference.held_out_conversations(data.load_split(args.dataset_name, args.split), args.limit)
+        if not conversations:
+            raise UserError(f"{args.dataset_name}: no rows end in an assistant turn to score; pass conversations "
+                            f"(`messages`) or prompt-completion rows.")
+        scores = {}
+        for name in names:
+            model, tokenizer = inference.load_trained(name, args.base if name == args.output_dir else None, args.device)
+            scores[name] = inference.score(model, tokenizer, conversations, args.batch_size, args.max_new_tokens)
+            del model
+    except UserError as error:
+        return report(error)
+    report_file = args.report or str(Path(args.output_dir) / "finetune_eval.json")
+    answers = {name: result.pop("answers") for name, result in scores.items()}
+    Path(report_file).write_text(json.dumps({
+        "dataset": args.dataset_name, "split": args.split, "scores": scores,
+        "examples": inference.examples(conversations, answers),
+    }, indent=2, ensure_ascii=False) + "\n")
+    width = max(len(name) for name in names)
+    for name in names:
+        print(f"[finetune] eval {name:<{width}}  {args.dataset_name} [{args.split}], {len(conversations)} rows: "
+              f"{inference.summary(scores[name])}")
+    print(f"[finetune] report written to {report_file}")
+    return 0
+
+
+def add_eval(subparsers) -> None:
+    p = subparsers.add_parser(
+        "eval", help="score a trained model on held-out conversations (loss, perplexity, exact match, token F1)",
+        description="Loss and perplexity on the assistant tokens, and exact match and token F1 of the last assistant "
+        "turn generated greedily from the turns before it. --compare scores a second model on the same rows.",
+    )
+    _add_model_arguments(p)
+    p.add_argument("--dataset_name", required=True, help="hub id, local folder or .jsonl/.json/.parquet/.csv file")
+    p.add_argument("--split", default="test")
+    p.add_argument("--limit", type=int, help="score only the first N rows")
+    p.add_argument("--compare", help="a second output folder or model (e.g. the base) scored on the same rows")
+    p.add_argument("--batch_size", type=int, default=16)
+    p.add_argument("--report", help="JSON report file (default: OUTPUT_DIR/finetune_eval.json)")
+    p.set_defaults(func=_run_eval)
+
+
+SUBCOMMANDS = [add_plan, add_merge, add_launch, add_chat, add_generate, add_eval]
 
 
 def build_parser() -> argparse.ArgumentParser:

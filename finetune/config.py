@@ -38,12 +38,13 @@ DEFAULT_ARGS = [
     "--output_dir", time.strftime("outputs/default-%Y%m%d-%H%M%S"),
     "--num_train_epochs", "12",
     "--learning_rate", "3e-3",
-    "--per_device_train_batch_size", "8",
+    "--per_device_train_batch_size", "1",
     "--gradient_accumulation_steps", "1",
-    "--logging_steps", "10",
+    "--logging_steps", "80",
     "--eval_strategy", "epoch",
     "--save_strategy", "no",
     "--sample_prompt", "Count from 3 to 7.",
+    "--eval_samples_before_after", "40",
 ]
 
 
@@ -75,6 +76,12 @@ class FinetuneArguments:
         default=None,
         metadata={"help": "Several sources mixed into one training set: {datasets: [{path, split, test_split, "
                           "columns, fraction}, ...], seed, test_split_size}; replaces dataset_name."},
+    )
+    eval_samples_before_after: int = field(
+        default=16,
+        metadata={"help": "Held-out rows scored (assistant-token loss, exact match and token F1 of the generated "
+                          "answer) before and after training, printed and written to finetune_scores.json; 0 turns "
+                          "it off. Single-process runs only: generation under ZeRO-3/FSDP needs every rank."},
     )
     truncation: bool = field(
         default=True,

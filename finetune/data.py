@@ -174,6 +174,17 @@ def _load_mixture(mixture, script: ScriptArguments, training: SFTConfig, checks:
     return train, test
 
 
+def load_split(name: str, split: str, config_name: str | None = None) -> Dataset:
+    """One split of a dataset (hub id, folder or file), its rows checked."""
+    splits = _load(name, config_name)
+    if Path(name).expanduser().is_file():  # a single file is a single split, whatever it is called
+        split = next(iter(splits))
+    if split not in splits:
+        raise UserError(f"{name}: no split named `{split}` (it has {sorted(splits)}); pass --split with one of them.")
+    check_rows(splits[split], f"{name} [{split}]")
+    return splits[split]
+
+
 def refuse_long_samples(dataset: Dataset, source: str, tokenizer, max_length: int | None) -> None:
     """Name the first row longer than max_length (with `truncation: false`: TRL would cut it silently)."""
     if max_length is None:

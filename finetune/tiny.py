@@ -97,7 +97,10 @@ def tiny_model_folder(family: str) -> Path:
 
     tokenizer = build_tiny_tokenizer(family)
     config = tiny_config(family, tokenizer)
-    key = hashlib.sha256(f"{config.to_json_string()}{transformers.__version__}{TINY_MODEL_SEED}".encode()).hexdigest()[:12]
+    # the tokenizer file is part of the key: a rebuilt tokenizer of the same size must not reuse an older folder
+    vocabulary = (TINY_TOKENIZERS_DIR / family / "tokenizer.json").read_text(encoding="utf-8")
+    identity = f"{config.to_json_string()}{vocabulary}{transformers.__version__}{TINY_MODEL_SEED}"
+    key = hashlib.sha256(identity.encode()).hexdigest()[:12]
     cache = Path(os.environ.get("FINETUNE_TINY_CACHE", Path.home() / ".cache" / "finetune" / "tiny"))
     folder = cache / f"{family}-{key}"
     if (folder / "config.json").is_file():

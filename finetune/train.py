@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel, TrainerCallback
 from trl import SFTTrainer
 
-from finetune import checkpoints, expert_lora, make_callable, patches, tracking
+from finetune import checkpoints, expert_lora, inference, make_callable, patches, tracking
 from finetune import model as model_loading
 from finetune.config import RUN_RECORD, RunConfig, run_identity
 from finetune.config_files import accelerate_config_file, requested_strategy
@@ -153,6 +153,9 @@ def build_trainer(run: RunConfig, model: PreTrainedModel, tokenizer, train_set, 
     trainer.add_callback(setup_check)
     if tracking.wanted(run.training):
         trainer.add_callback(tracking.MlflowRecord(run, setup_check))
+    scores = inference.before_after_callback(eval_set, run.finetune.eval_samples_before_after, tokenizer)
+    if scores is not None:
+        trainer.add_callback(scores)
     return trainer
 
 
