@@ -11,18 +11,17 @@ import json
 import sys
 from pathlib import Path
 
+from finetune.errors import UserError, report
+
 
 def _run_plan(args: argparse.Namespace, extra: list[str]) -> int:
     from finetune import plan as planner
     from finetune.config_files import parse_overrides, read_recipe
-    from finetune.errors import UserError, report
 
+    values = read_recipe(args.config, parse_overrides(extra))
     try:
-        values = read_recipe(args.config, parse_overrides(extra))
         result = planner.plan(values, gpus=args.gpus, gpu=args.gpu, gpu_memory_gib=args.gpu_memory, nodes=args.nodes,
                               recipe_path=args.config, extra_args=extra)
-    except UserError as error:
-        return report(error)
     except ValueError as e:
         print(f"finetune plan: {e}", file=sys.stderr)
         return 2
@@ -53,13 +52,9 @@ def add_plan(subparsers) -> None:
 
 
 def _run_merge(args: argparse.Namespace, extra: list[str]) -> int:
-    from finetune.errors import UserError, report
     from finetune.merge import merge_adapter
 
-    try:
-        print(f"merged model written to {merge_adapter(args.adapter_dir, args.output_dir, args.base_model)}")
-    except UserError as error:
-        return report(error)
+    print(f"merged model written to {merge_adapter(args.adapter_dir, args.output_dir, args.base_model)}")
     return 0
 
 
@@ -73,12 +68,8 @@ def add_merge(subparsers) -> None:
 
 def _run_launch(args: argparse.Namespace, extra: list[str]) -> int:
     from finetune import launch
-    from finetune.errors import UserError, report
 
-    try:
-        return launch.main(extra)
-    except UserError as error:
-        return report(error)
+    return launch.main(extra)
 
 
 def add_launch(subparsers) -> None:
@@ -100,12 +91,8 @@ def _add_model_arguments(p) -> None:
 
 def _run_chat(args: argparse.Namespace, extra: list[str]) -> int:
     from finetune import inference
-    from finetune.errors import UserError, report
 
-    try:
-        model, tokenizer = inference.load_trained(args.output_dir, args.base, args.device)
-    except UserError as error:
-        return report(error)
+    model, tokenizer = inference.load_trained(args.output_dir, args.base, args.device)
     generation = inference.generation_kwargs(args.temperature, args.top_p, args.max_new_tokens)
     inference.chat(model, tokenizer, system=args.system, generation=generation)
     return 0
@@ -125,16 +112,10 @@ def add_chat(subparsers) -> None:
 
 
 def _run_generate(args: argparse.Namespace, extra: list[str]) -> int:
-    import json
-
     from finetune import inference
-    from finetune.errors import UserError, report
 
-    try:
-        prompts = inference.read_prompts(args.prompts)
-        model, tokenizer = inference.load_trained(args.output_dir, args.base, args.device)
-    except UserError as error:
-        return report(error)
+    prompts = inference.read_prompts(args.prompts)
+    model, tokenizer = inference.load_trained(args.output_dir, args.base, args.device)
     generation = inference.generation_kwargs(args.temperature, args.top_p, args.max_new_tokens)
     answers = inference.generate_answers(model, tokenizer, [turns for _, turns in prompts], args.batch_size, **generation)
     with open(args.out, "w", encoding="utf-8") as out:
@@ -160,21 +141,17 @@ def add_generate(subparsers) -> None:
 
 def _run_eval(args: argparse.Namespace, extra: list[str]) -> int:
     from finetune import data, inference
-    from finetune.errors import UserError, report
 
     names = [args.output_dir] + ([args.compare] if args.compare else [])
-    try:
-        conversations = inference.held_out_conversations(data.load_split(args.dataset_name, args.split), args.limit)
-        if not conversations:
-            raise UserError(f"{args.dataset_name}: no rows end in an assistant turn to score; pass conversations "
-                            f"(`messages`) or prompt-completion rows.")
-        scores = {}
-        for name in names:
-            model, tokenizer = inference.load_trained(name, args.base if name == args.output_dir else None, args.device)
-            scores[name] = inference.score(model, tokenizer, conversations, args.batch_size, args.max_new_tokens)
-            del model
-    except UserError as error:
-        return report(error)
+    conversations = inference.held_out_conversations(data.load_split(args.dataset_name, args.split), args.limit)
+    if not conversations:
+        raise UserError(f"{args.dataset_name}: no rows end in an assistant turn to score; pass conversations "
+                        f"(`messages`) or prompt-completion rows.")
+    scores = {}
+    for name in names:
+        model, tokenizer = inference.load_trained(name, args.base if name == args.output_dir else None, args.device)
+        scores[name] = inference.score(model, tokenizer, conversations, args.batch_size, args.max_new_tokens)
+        del model
     report_file = args.report or str(Path(args.output_dir) / "finetune_eval.json")
     answers = {name: result.pop("answers") for name, result in scores.items()}
     Path(report_file).write_text(json.dumps({
@@ -221,7 +198,10 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra and not getattr(args, "accepts_extra", False):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    return args.func(args, extra) or 0
+    try:
+        return args.func(args, extra) or 0
+    except UserError as error:  # every subcommand's user mistake: one line, exit 2
+        return report(error)
 
 
 if __name__ == "__main__":
