@@ -47,6 +47,7 @@ LLAMA_LORA = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.05, "target_modules":
 OSS_LORA = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.05, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
 OSS_FAST = {"attn_implementation": "flex_attention", "experts_implementation": "grouped_mm"}
 OSS_EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+OSS_ATTENTION_ONLY = ["--lora_target_parameters", "none"]
 
 
 def gpu_cases() -> list[Case]:
@@ -98,13 +99,25 @@ def gpu_cases() -> list[Case]:
                     model={"attn_implementation": "eager", "experts_implementation": "eager"}),
             Variant("plain_best", "attention LoRA; grouped_mm + flex, batch 4", sft=_plain(4), lora=OSS_LORA,
                     model=OSS_FAST),
-            Variant("finetune", "recipe as shipped (attention LoRA, torch_compile)", "gpt-oss-20b/lora.yaml"),
-            Variant("finetune_48g", "recipe + checkpointing (<= 48 GiB)", "gpt-oss-20b/lora.yaml",
-                    ["--gradient_checkpointing", "true"]),
-            Variant("finetune_experts", "recipe + LoRA on the experts (lora_target_parameters), checkpointing",
-                    "gpt-oss-20b/lora.yaml", ["--gradient_checkpointing", "true",
-                                              "--lora_target_parameters", *OSS_EXPERT_PARAMETERS], extra=True),
+            Variant("finetune", "recipe, attention LoRA (torch_compile)", "gpt-oss-20b/lora.yaml", OSS_ATTENTION_ONLY),
+            Variant("finetune_48g", "recipe, attention LoRA, checkpointing (<= 48 GiB)", "gpt-oss-20b/lora.yaml",
+                    [*OSS_ATTENTION_ONLY, "--gradient_checkpointing", "true"]),
         ], target=">= 20k tok/s; >= 15k within 48 GiB", warmup=3, timed=5),
+        Case("gptoss20b_expert_lora", "GPT-OSS-20B LoRA r16 on attention + all experts", "gpt-oss-20b", "lora", "fixed",
+             2048, [
+            Variant("plain_best", "peft target_parameters; grouped_mm + flex, batch 4", sft=_plain(4),
+                    lora={**OSS_LORA, "lora_dropout": 0.0, "target_parameters": OSS_EXPERT_PARAMETERS}, model=OSS_FAST),
+            Variant("finetune_peft", "recipe, experts through peft's path", "gpt-oss-20b/lora.yaml",
+                    ["--expert_lora_kernel", "peft"]),
+            Variant("finetune", "recipe as shipped: experts through grouped GEMMs", "gpt-oss-20b/lora.yaml"),
+            Variant("reference_attention", "recipe, attention only (the speed to match)", "gpt-oss-20b/lora.yaml",
+                    OSS_ATTENTION_ONLY),
+            Variant("finetune_gc", "recipe, checkpointing", "gpt-oss-20b/lora.yaml", ["--gradient_checkpointing", "true"]),
+            Variant("reference_attention_gc", "recipe, attention only, checkpointing", "gpt-oss-20b/lora.yaml",
+                    [*OSS_ATTENTION_ONLY, "--gradient_checkpointing", "true"]),
+            Variant("finetune_peft_gc", "recipe, experts through peft's path, checkpointing", "gpt-oss-20b/lora.yaml",
+                    ["--expert_lora_kernel", "peft", "--gradient_checkpointing", "true"], extra=True),
+        ], target=">= 21k tok/s within 70 GiB; >= 16k within 45 GiB with checkpointing", warmup=3, timed=5),
         Case("llama3b_full", "Llama-3.2-3B full", "llama-3.2-3b", "full", "fixed", 2048, [
             Variant("plain_default", "sdpa, batch 4", sft=_plain(4)),
             Variant("plain_best", "liger, batch 8", sft=_plain(8, use_liger_kernel=True)),

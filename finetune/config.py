@@ -241,6 +241,8 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
     except ValueError as error:
         source = recipe_path or "command line"
         raise UserError(f"{source}: {_one_sentence(error)}") from None
+    if model.lora_target_parameters == ["none"]:  # a list flag cannot be emptied on the command line
+        model.lora_target_parameters = None
     if finetune.tiny:
         _scale_down_for_tiny(script, training, _flags_given(argv), finetune.dataset_mixture)
     return RunConfig(script, training, model, finetune, recipe_path, set(recipe) | _flags_given(argv), env)

@@ -74,3 +74,12 @@ def test_on_cpu_the_recipe_compiles_nothing_unless_the_command_line_asks_and_the
     with caplog.at_level("WARNING", logger="finetune.cpu"):
         assert parse_args(["--config", recipe, "--tiny", "--torch_compile", "true"]).training.torch_compile
     assert "No GPU" in caplog.text and "torch_compile" not in caplog.text
+
+
+def test_lora_target_parameters_none_on_the_command_line_turns_expert_lora_off():
+    from finetune.config import parse_args
+
+    recipe = str(ROOT / "recipes" / "gpt-oss-20b" / "lora.yaml")
+    assert parse_args(["--config", recipe, "--tiny"]).model.lora_target_parameters == [
+        "mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    assert parse_args(["--config", recipe, "--tiny", "--lora_target_parameters", "none"]).model.lora_target_parameters is None
