@@ -92,6 +92,25 @@ def test_recipe_loading_dequantizes_the_stored_experts_to_the_training_dtype(mxf
         assert torch.equal(loaded[name], weight), name
 
 
+@pytest.mark.parametrize("strategy_env, on_the_gpu", [({}, True), ({"WORLD_SIZE": "2"}, True),
+                                                      ({"ACCELERATE_USE_FSDP": "true"}, False),
+                                                      ({"ACCELERATE_USE_DEEPSPEED": "true",
+                                                        "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"}, False)])
+def test_on_a_gpu_mxfp4_is_dequantized_on_the_process_s_gpu_unless_the_strategy_shards(mxfp4_folder, tmp_path,
+                                                                                      monkeypatch, strategy_env,
+                                                                                      on_the_gpu):
+    from finetune import config, cpu, model
+
+    run = config.parse_args(["--config", "recipes/gpt-oss-20b/lora.yaml", "--model_name_or_path", str(mxfp4_folder),
+                             "--output_dir", str(tmp_path / "out")])
+    for name, value in strategy_env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(cpu, "on_cpu", lambda: False)
+    kwargs = model.model_init_kwargs(run, str(mxfp4_folder))
+    assert kwargs["quantization_config"].dequantize
+    assert kwargs.get("device_map") == ({"": 0} if on_the_gpu else None)
+
+
 # --- The recipe end to end, one launch per strategy, shared by the tests below.
 
 RELOAD = r"""
