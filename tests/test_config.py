@@ -92,7 +92,8 @@ def test_on_cpu_a_recipe_s_activation_offloading_is_off_and_the_flag_is_refused(
     from finetune.errors import UserError
 
     recipe = tmp_path / "offloaded.yaml"
-    recipe.write_text((ROOT / "recipes/llama-3.2-3b/lora.yaml").read_text() + "activation_offloading: true\n")
+    recipe.write_text((ROOT / "recipes/llama-3.2-3b/lora.yaml").read_text().replace("activation_offloading: false",
+                                                                                   "activation_offloading: true"))
     with caplog.at_level("WARNING", logger="finetune.cpu"):
         run = parse_args(["--config", str(recipe), "--tiny", "--output_dir", str(tmp_path / "out")])
     assert not run.training.activation_offloading and "'activation_offloading': False" in caplog.text

@@ -199,3 +199,49 @@ def test_offloading_compiled_checkpoints_moves_only_layer_inputs_and_keeps_the_g
     _, _, unguarded = train_step(offloading=True, keep_recomputation=False)
     torch._dynamo.reset()
     assert [entry for entry in unguarded if entry[0] == "backward"], "the reentrant recomputation meets the hooks"
+
+
+def test_the_training_loss_never_builds_the_full_vocabulary_logits_and_equals_the_plain_loss(monkeypatch):
+    """TRL's SFTTrainer (so every recipe) scores tokens through a fused LM head: tiles of tokens x vocabulary columns
+    instead of the (tokens x vocabulary) logits, 8 GiB in fp32 for Llama at batch 8 x 2048. Here with small tiles:
+    the same loss and gradients as the model's own loss over the full logits."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from trl.kernels import chunked_logprob
+    from trl.trainer import utils as trl_utils
+
+    monkeypatch.setattr(chunked_logprob, "TOKEN_CHUNK_SIZE", 16)
+    monkeypatch.setattr(trl_utils, "_CHUNKED_LOGPROB_CHUNK_SIZE", 64)
+    batch, seq, vocab = 2, 24, 256
+    config = AutoConfig.for_model("llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=vocab)
+    ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0))
+    labels = ids.clone()
+    labels[:, :5] = -100  # a prompt: not scored
+
+    class LargestTensor(TorchDispatchMode):
+        numel = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for tensor in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(tensor, torch.Tensor):
+                    self.numel = max(self.numel, tensor.numel())
+            return out
+
+    results = {}
+    for fused in (False, True):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        trl_utils.add_fused_lm_head(model, outputs=("log_probs", "entropy", "is_top1"))  # as SFTTrainer does
+        with LargestTensor() as largest:
+            loss = model(input_ids=ids, labels=labels, fused_lm_head=fused, use_cache=False).loss
+            loss.backward()
+        results[fused] = loss.detach(), [p.grad for p in model.parameters()], largest.numel
+    (plain_loss, plain_grads, plain_largest), (loss, grads, largest) = results[False], results[True]
+    full_logits = batch * seq * vocab
+    assert plain_largest >= full_logits > largest, (plain_largest, largest)
+    torch.testing.assert_close(loss, plain_loss)
+    for fused_grad, plain_grad in zip(grads, plain_grads):
+        torch.testing.assert_close(fused_grad, plain_grad)
