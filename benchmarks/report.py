@@ -78,7 +78,8 @@ def markdown(report: dict) -> str:
     for case in report["cases"]:
         for r in case["results"]:
             if "error" in r:
-                lines.append(f"| {case['key']} | {r['variant']} | {r['label']} | failed: {r['error'][:160]} | | | | | |")
+                lines.append(f"| {case['key']} | {r['variant']} | {r['label']} | failed: {r['error'][:160]} "
+                             "| | | | | |")
                 continue
             lines.append(
                 f"| {case['key']} | {r['variant']} | {r['label']} | {r['tokens_per_s']:,.0f} | "

@@ -14,6 +14,10 @@ How the peak is built (all per GPU, bytes), see docs/planner.md for the measurem
     reserved  = allocated * allocator fragmentation
     per GPU   = reserved + fixed CUDA context / NCCL / cuBLAS overhead (outside PyTorch's allocator)
 
+With activation offloading (TRL's `activation_offloading`) the saved activations wait in pinned CPU memory for the
+backward: with checkpointing the layer inputs, all but the last few still copying out; without it every layer's
+activations, one layer brought back at a time.
+
 Gradients are not counted on top of the full activations: `optimizer.zero_grad(set_to_none=True)` frees them before
 each step, and backward creates a layer's gradients while it frees that layer's saved activations, so the two grow
 and shrink against each other and the peak is at one end of the backward pass.
@@ -684,7 +688,8 @@ def format_plan(p: Plan) -> str:
         lines.append(f"{mark}{LABELS[t]:<15}{e.per_gpu_gib:>12.1f}  {w:>8.1f} {o:>8.1f} {ag:>9.1f} {other:>8.1f}  {verdict}")
     lines.append("")
     if p.offloaded_gib:
-        lines += [f"Activation offloading keeps {p.offloaded_gib:.1f} GiB of activations in pinned CPU memory per GPU.", ""]
+        lines += [f"Activation offloading keeps {p.offloaded_gib:.1f} GiB of activations in pinned CPU memory per GPU.",
+                  ""]
     if p.fits:
         lines.append(f"Use {LABELS[p.technique]} ({CONFIG_FILES[p.technique]}):")
         lines.append(f"  {p.command}")
