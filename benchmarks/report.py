@@ -41,6 +41,14 @@ def _throughput_cell(result: dict | None) -> str:
     return f"{result['tokens_per_s']:,.0f}{mfu}{memory}"
 
 
+def _planned_cell(result: dict) -> str:
+    """finetune.plan's estimate of the peak, and estimate / measured where the peak was measured."""
+    if result.get("planned_gib") is None:
+        return "—"
+    ratio = f" ({result['planned_over_peak']:.2f}x)" if result.get("planned_over_peak") else ""
+    return f"{result['planned_gib']:.1f}{ratio}"
+
+
 def markdown(report: dict) -> str:
     lines = [f"# Benchmark: plain TRL vs finetune recipes ({report['mode']})", "",
              f"Date: {report['date']}. " + ", ".join(f"{k} {v}" for k, v in report["versions"].items()) + ".", "",
@@ -65,16 +73,17 @@ def markdown(report: dict) -> str:
         lines.append(f"| {case['title']} | {plain_cells} | {fast_cell} | {ratio_recipe} | {ratio_best} | "
                      f"{ratio_default} | {case['target']} |")
     lines += ["", "## Every variant", "",
-              "| case | variant | settings | tokens/s | MFU | peak GiB | loss first → last | step s |",
-              "|---|---|---|---|---|---|---|---|"]
+              "| case | variant | settings | tokens/s | MFU | peak GiB | planned GiB | loss first → last | step s |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for case in report["cases"]:
         for r in case["results"]:
             if "error" in r:
-                lines.append(f"| {case['key']} | {r['variant']} | {r['label']} | failed: {r['error'][:160]} | | | | |")
+                lines.append(f"| {case['key']} | {r['variant']} | {r['label']} | failed: {r['error'][:160]} "
+                             "| | | | | |")
                 continue
             lines.append(
                 f"| {case['key']} | {r['variant']} | {r['label']} | {r['tokens_per_s']:,.0f} | "
-                f"{_fmt(r.get('mfu'), '.2f')} | {_fmt(r.get('peak_gib'), '.1f')} | "
+                f"{_fmt(r.get('mfu'), '.2f')} | {_fmt(r.get('peak_gib'), '.1f')} | {_planned_cell(r)} | "
                 f"{r['loss_first']:.3f} → {r['loss_last']:.3f} | {r['step_time_median_s']:.3f} |")
     numerics = report.get("numerics")
     if numerics:

@@ -223,6 +223,31 @@ def restoring_modeling_modules():
                             setattr(names[name], attribute, value)
 
 
+@contextlib.contextmanager
+def memory_capped(cap_gib: float | None, device: str):
+    """The caching allocator limited to `cap_gib` (an allocation past it fails with OutOfMemoryError), as on a smaller
+    card; lifted afterwards for the next variant of the process."""
+    if not cap_gib or device != "cuda":
+        yield
+        return
+    torch.cuda.set_per_process_memory_fraction(cap_gib * GIB / torch.cuda.get_device_properties(0).total_memory)
+    try:
+        yield
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+
+
+def planned_gib(case: Case, variant: Variant, config) -> float:
+    """finetune.plan's estimate of the allocated peak of a recipe variant, as `finetune plan --config RECIPE FLAGS`
+    makes it, for this case's architecture and sequence length."""
+    from finetune import plan as planner
+    from finetune.config_files import parse_overrides, read_recipe
+
+    values = read_recipe(str(RECIPES / variant.recipe), {"max_length": case.seq} | parse_overrides(variant.overrides))
+    architecture = planner.architecture_from_config(config.to_dict(), case.arch)
+    return planner.estimate(architecture, planner.setup_from_recipe(values), "ddp", 1).allocated / GIB
+
+
 def common_flags(steps: int, output_dir: str) -> list[str]:
     return ["--output_dir", output_dir, "--max_steps", str(steps), "--logging_steps", "1", "--save_strategy", "no",
             "--eval_strategy", "no", "--report_to", "none", "--assistant_only_loss", "false", "--disable_tqdm", "true"]
@@ -346,12 +371,19 @@ def run_variant(case: Case, variant: Variant, out_dir: Path, tiny: bool, layers:
     profile_path = out_dir / f"profile_{case.key}_{variant.key}.json" if variant.profile else None
     timer = StepTimer(trainer, warmup, timed, device, profile_steps, profile_path)
     trainer.add_callback(timer.callback)
+    # The LM head module runs only when the full (tokens x vocabulary) logits are built; TRL's fused head reads its
+    # weight in tiles instead
+    head_calls = []
+    trainer.model.get_output_embeddings().register_forward_hook(lambda *_: head_calls.append(1))
     fpt = models.flops_per_token(trainer.model, config, case.method, case.seq)
     from torch._dynamo.utils import counters
+    from torch._functorch import config as functorch_config
 
     graphs_before = counters["stats"]["unique_graphs"]
-    trainer.train()
+    with memory_capped(variant.memory_cap_gib, device), functorch_config.patch(variant.functorch_config):
+        trainer.train()
     result["compiled_graphs"] = counters["stats"]["unique_graphs"] - graphs_before
+    result["lm_head_calls"] = len(head_calls)
     result.update(timer.summary())
     result["setup_s"] = round(time.perf_counter() - start - sum(t for t, _ in timer.steps), 1)
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
@@ -362,6 +394,12 @@ def run_variant(case: Case, variant: Variant, out_dir: Path, tiny: bool, layers:
     if device == "cuda":
         result["peak_gib"] = (torch.cuda.max_memory_allocated() - baseline) / GIB
         result["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / GIB
+    if variant.recipe:
+        result["planned_gib"] = planned_gib(case, variant, config)
+        if result.get("peak_gib"):
+            result["planned_over_peak"] = result["planned_gib"] / result["peak_gib"]
+    if variant.memory_cap_gib:
+        result["memory_cap_gib"] = variant.memory_cap_gib
     if timer.profile_summary:
         result["profile"] = timer.profile_summary
     if not tiny:

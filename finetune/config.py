@@ -305,6 +305,9 @@ def check(run: RunConfig) -> None:
             f"{source}: `{lora_keys[0]}` is set but `use_peft` is false, so it would be ignored; "
             f"add `use_peft: true` or drop the LoRA settings."
         )
+    if run.training.activation_offloading and cpu.on_cpu():  # a recipe's value is already off (cpu.cpu_overrides)
+        raise UserError("command line: `--activation_offloading true` moves activations out of GPU memory and this "
+                        "machine has no GPU; drop the flag here.")
     if model.load_in_4bit and model.load_in_8bit:
         raise UserError(f"{source}: `load_in_4bit` and `load_in_8bit` are both true; keep one of them.")
     strategy = requested_strategy()

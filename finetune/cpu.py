@@ -24,9 +24,11 @@ def on_cpu() -> bool:
 
 def cpu_overrides(values: dict) -> dict:
     """The recipe values to replace on CPU: float32 training, no GPU-only kernels."""
-    # torch_compile off too: inductor's C++ build takes minutes on a small CPU and tiny models gain nothing from it
+    # torch_compile off too: inductor's C++ build takes minutes on a small CPU and tiny models gain nothing from it.
+    # activation_offloading moves activations from GPU memory to the CPU's: without a GPU there is nothing to move
+    # (TRL's implementation needs an accelerator and its streams).
     overrides = {"use_cpu": True, "bf16": False, "fp16": False, "dtype": "float32", "use_liger_kernel": False,
-                 "torch_compile": False}
+                 "torch_compile": False, "activation_offloading": False}
     if values.get("attn_implementation") in CPU_ATTENTION:
         overrides["attn_implementation"] = CPU_ATTENTION[values["attn_implementation"]]
     if values.get("experts_implementation") in CPU_EXPERTS:

@@ -14,11 +14,16 @@ renames what is patched, this list says what to revisit and which test fails fir
   targets: transformers 5.17-5.24 (module-level `rotate_checkpoints`).
   guarded by: test_preemption_single.py::test_save_total_limit_one_never_leaves_no_complete_checkpoint.
 - `compile_inside_checkpoints`
-  does: sets each layer's `_gradient_checkpointing_func` so that it runs checkpoint(compiled(layer)).
-  why: compiled around a checkpoint, one graph break makes dynamo run the whole layer eagerly.
+  does: sets each layer's `_gradient_checkpointing_func` so that it runs checkpoint(compiled(layer)); with activation
+  offloading, the layer's recomputation in backward runs under identity saved-tensor hooks.
+  why: compiled around a checkpoint, one graph break makes dynamo run the whole layer eagerly. The checkpoint is
+  reentrant, and TRL's offloading hooks stay active through the backward: without hooks of its own, every tensor the
+  recomputed layer saves would be copied to the CPU and straight back.
   upstream: pytorch/pytorch#139989.
-  targets: `GradientCheckpointingLayer` of transformers 5.17 (checkpoint in `__call__`) and 5.24 (in `forward`).
-  guarded by: test_train.py::test_under_checkpointing_a_layer_with_a_graph_break_is_still_compiled_once_for_all_layers.
+  targets: `GradientCheckpointingLayer` of transformers 5.17 (checkpoint in `__call__`) and 5.24 (in `forward`);
+  trl 1.16 `OffloadActivations` (saved-tensor hooks around `training_step`, forward and backward).
+  guarded by: test_train.py::test_under_checkpointing_a_layer_with_a_graph_break_is_still_compiled_once_for_all_layers
+  and test_train.py::test_offloading_compiled_checkpoints_moves_only_layer_inputs_and_keeps_the_gradients.
 - `exit_without_teardown`
   does: runs the atexit handlers, flushes, then `os._exit(0)` at the end of a multi-process run.
   why: gloo's worker threads aborted a finished rank at interpreter teardown in about 1 of 100 CPU launches.
@@ -72,15 +77,30 @@ def _checkpoint_compiled(checkpoint, compiled_call, function, *args):
     return checkpoint(compiled_call, function, *args, use_reentrant=True)
 
 
-def compile_inside_checkpoints(model, compiled_call) -> None:
+def _same_tensor(tensor):
+    return tensor
+
+
+def _call_keeping_saved_tensors(compiled_call, function, *args):
+    """The innermost saved-tensor hooks win: these keep what the call saves where it is, out of the offloading hooks.
+    Only the recomputation saves anything (the checkpointed forward runs without gradients)."""
+    import torch
+
+    with torch.autograd.graph.saved_tensors_hooks(_same_tensor, _same_tensor):
+        return compiled_call(function, *args)
+
+
+def compile_inside_checkpoints(model, compiled_call, offloading: bool = False) -> None:
     """Every checkpointed layer runs checkpoint(compiled(layer)) instead of compiled(checkpoint(layer)); one compiled
-    function serves all layers, so the layer compiles once."""
+    function serves all layers, so the layer compiles once. With activation offloading only the checkpoint's inputs
+    go to the CPU: the layer recomputed in backward keeps its tensors on the device until its gradients are done."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
+    call = partial(_call_keeping_saved_tensors, compiled_call) if offloading else compiled_call
     for module in model.modules():
         checkpoint = getattr(module, "_gradient_checkpointing_func", None)
         if isinstance(module, GradientCheckpointingLayer) and getattr(checkpoint, "func", None) is not _checkpoint_compiled:
-            module._gradient_checkpointing_func = partial(_checkpoint_compiled, checkpoint, compiled_call)
+            module._gradient_checkpointing_func = partial(_checkpoint_compiled, checkpoint, call)
 
 
 def exit_without_teardown() -> None:

@@ -14,6 +14,10 @@ How the peak is built (all per GPU, bytes), see docs/planner.md for the measurem
     reserved  = allocated * allocator fragmentation
     per GPU   = reserved + fixed CUDA context / NCCL / cuBLAS overhead (outside PyTorch's allocator)
 
+With activation offloading (TRL's `activation_offloading`) the saved activations wait in pinned CPU memory for the
+backward: with checkpointing the layer inputs, all but the last few still copying out; without it every layer's
+activations, one layer brought back at a time.
+
 Gradients are not counted on top of the full activations: `optimizer.zero_grad(set_to_none=True)` frees them before
 each step, and backward creates a layer's gradients while it frees that layer's saved activations, so the two grow
 and shrink against each other and the peak is at one end of the backward pass.
@@ -48,6 +52,7 @@ CUDA_CONTEXT_GIB = 0.6  # CUDA context + cuBLAS/cuDNN workspaces: outside the al
 NCCL_GIB = 0.75  # NCCL communicator buffers when more than one process talks
 CHUNKED_LOGPROB_TOKENS = 4096  # TRL's fused LM head: tokens per tile (trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE)
 CHUNKED_LOGPROB_VOCAB = 32768  # ... and vocabulary columns per tile (trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE)
+OFFLOAD_STASH_TENSORS = 5  # TRL's activation offloading keeps this many tensors on the GPU while they copy to the CPU
 DS_BUCKET_ELEMENTS_PER_H2 = 1.0  # accelerate's "auto" reduce_bucket_size = hidden^2 (ZeRO), in elements
 DS_PREFETCH_PER_H2 = 0.9  # accelerate's "auto" stage3_prefetch_bucket_size = 0.9 * hidden^2
 
@@ -174,6 +179,7 @@ class Setup:
     max_length: int = 1024
     batch: int = 8
     gradient_checkpointing: bool = False
+    activation_offloading: bool = False  # TRL's: saved activations wait in pinned CPU memory for the backward
     optim: str = "adamw_torch_fused"
     dtype: str = "float32"  # TRL loads in float32 unless the recipe says otherwise
     bf16: bool = True
@@ -217,6 +223,7 @@ def setup_from_recipe(values: dict) -> Setup:
         max_length=int(values.get("max_length") or 1024),
         batch=int(values.get("per_device_train_batch_size", 8)),
         gradient_checkpointing=_as_bool(values.get("gradient_checkpointing", False)),
+        activation_offloading=_as_bool(values.get("activation_offloading", False)),
         optim=str(values.get("optim", "adamw_torch_fused")),
         dtype="bfloat16" if dtype == "auto" else str(dtype),
         bf16=_as_bool(values.get("bf16", True)),
@@ -344,21 +351,29 @@ def adapted_expert_weight_bytes(a: Architecture, s: Setup) -> float:
 
 
 def activation_bytes(a: Architecture, s: Setup) -> dict[str, float]:
-    """Saved for backward at the end of the forward, one layer's recomputation (checkpointing), backward transients."""
+    """Saved for backward at the end of the forward, one layer's recomputation (checkpointing), backward transients,
+    and what activation offloading keeps in pinned CPU memory instead of on the GPU."""
     tokens = s.tokens
     per_layer = layer_activation_bytes_per_token(a, s) * tokens + adapted_expert_weight_bytes(a, s)
     outside = tokens * (6 * a.hidden + 8)  # embedding output, final norm's fp32 copy, hidden into the LM head
+    layer_input = tokens * 2 * a.hidden  # bf16
     if s.gradient_checkpointing:
-        # Each layer keeps only its input (bf16); in backward one layer at a time is recomputed.
-        inputs = a.layers * tokens * 2 * a.hidden
-        saved, recompute = inputs + outside, per_layer
+        # Each layer keeps only its input; in backward one layer at a time is recomputed. Offloaded, the inputs wait in
+        # CPU memory: the GPU holds the last few still copying out (TRL's forward stash; the backward brings one back).
+        inputs = a.layers * layer_input
+        offloaded = inputs - min(a.layers, OFFLOAD_STASH_TENSORS) * layer_input if s.activation_offloading else 0.0
+        saved, recompute = inputs - offloaded + outside, per_layer
     else:
-        inputs, saved, recompute = 0.0, a.layers * per_layer + outside, 0.0
+        # Offloaded without checkpointing, every layer's activations go to the CPU and come back one layer at a time.
+        inputs, recompute = 0.0, 0.0
+        offloaded = (a.layers - 1) * per_layer if s.activation_offloading else 0.0
+        saved = a.layers * per_layer - offloaded + outside
     # Backward through one layer holds the gradients of its activations: i-wide ones around the MLP (per active
     # expert for MoE) and h-wide ones, some fp32, around the norms and attention (measured ~26-108 KB/token on Llama).
     width = a.experts_per_token * a.intermediate if a.is_moe else a.intermediate
     transient = tokens * (8 * width + 12 * a.hidden)
-    return {"saved": saved, "checkpoint_inputs": inputs, "recompute": recompute, "backward_transient": transient}
+    return {"saved": saved, "checkpoint_inputs": inputs, "recompute": recompute, "backward_transient": transient,
+            "offloaded_to_cpu": offloaded}
 
 
 def loss_buffer_bytes(a: Architecture, s: Setup, lm_head_trainable: bool) -> float:
@@ -530,6 +545,7 @@ class Plan:
     fits: bool
     command: str | None
     suggestions: list[str] = field(default_factory=list)
+    offloaded_gib: float = 0.0  # pinned CPU memory per process that activation offloading fills
 
     @property
     def world(self) -> int:
@@ -552,6 +568,7 @@ class Plan:
             "breakdown_gib": {t: {k: round(v / GIB, 3) for k, v in e.parts.items()} for t, e in self.estimates.items()},
             "budget_gib": round(self.gpu_memory_gib * SAFETY_MARGIN, 2),
             "suggestions": self.suggestions,
+            "offloaded_to_cpu_gib": round(self.offloaded_gib, 2),
         }
 
 
@@ -596,8 +613,13 @@ def _fits_somehow(a: Architecture, s: Setup, world: int, budget: float) -> bool:
 def suggestions(a: Architecture, s: Setup, world: int, gpus_per_node: int, budget: float) -> list[str]:
     """What would fit, tried one change at a time, cheapest change first."""
     out = []
-    if not s.gradient_checkpointing and _fits_somehow(a, replace(s, gradient_checkpointing=True), world, budget):
+    checkpointing_fits = _fits_somehow(a, replace(s, gradient_checkpointing=True), world, budget)
+    if not s.gradient_checkpointing and checkpointing_fits:
         out.append("turn on activation checkpointing: --gradient_checkpointing true")
+    offloaded = replace(s, gradient_checkpointing=True, activation_offloading=True)
+    if not checkpointing_fits and not s.activation_offloading and _fits_somehow(a, offloaded, world, budget):
+        out.append("checkpointing with the layer inputs in CPU memory: --gradient_checkpointing true "
+                   "--activation_offloading true")
     if s.batch > 1:
         for b in range(s.batch - 1, 0, -1):
             if _fits_somehow(a, replace(s, batch=b), world, budget):
@@ -640,7 +662,7 @@ def plan(recipe_values: dict, gpus: int, gpu: str | None = None, gpu_memory_gib:
     command = launch_command(technique, recipe_path, world, nodes, extra_args) if technique else None
     tips = suggestions(a, s, world, gpus, budget) if technique is None else []
     return Plan(s.model, s.method, gpu_name, memory, gpus, nodes, estimates, technique, technique is not None,
-                command, tips)
+                command, tips, activation_bytes(a, s)["offloaded_to_cpu"] / GIB)
 
 
 def format_plan(p: Plan) -> str:
@@ -665,6 +687,9 @@ def format_plan(p: Plan) -> str:
         mark = "*" if t == p.technique else " "
         lines.append(f"{mark}{LABELS[t]:<15}{e.per_gpu_gib:>12.1f}  {w:>8.1f} {o:>8.1f} {ag:>9.1f} {other:>8.1f}  {verdict}")
     lines.append("")
+    if p.offloaded_gib:
+        lines += [f"Activation offloading keeps {p.offloaded_gib:.1f} GiB of activations in pinned CPU memory per GPU.",
+                  ""]
     if p.fits:
         lines.append(f"Use {LABELS[p.technique]} ({CONFIG_FILES[p.technique]}):")
         lines.append(f"  {p.command}")

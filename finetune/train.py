@@ -103,7 +103,8 @@ def compile_per_layer(training) -> list[TrainerCallback]:
         return []
     if not training.gradient_checkpointing:
         return []  # config.apply_to_process asked accelerate for regional compilation
-    inside = CompileInsideCheckpoints(training.torch_compile_backend, training.torch_compile_mode)
+    inside = CompileInsideCheckpoints(training.torch_compile_backend, training.torch_compile_mode,
+                                      offloading=training.activation_offloading)
     training.torch_compile, training.torch_compile_backend, training.torch_compile_mode = False, None, None
     return [inside]
 
@@ -114,13 +115,15 @@ def _call(function, *args):
 
 class CompileInsideCheckpoints(TrainerCallback):
     """Once the Trainer has switched checkpointing on, every checkpointed layer runs checkpoint(compiled(layer))
-    (finetune/patches.py: compile_inside_checkpoints)."""
+    (finetune/patches.py: compile_inside_checkpoints); with `offloading`, TRL's activation offloading moves only
+    the checkpoints' inputs to the CPU, not the layers recomputed in backward."""
 
-    def __init__(self, backend: str | None, mode: str | None):
+    def __init__(self, backend: str | None, mode: str | None, offloading: bool = False):
         self.compiled_call = torch.compile(_call, backend=backend or "inductor", mode=mode)
+        self.offloading = offloading
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        patches.compile_inside_checkpoints(model, self.compiled_call)
+        patches.compile_inside_checkpoints(model, self.compiled_call, self.offloading)
 
 
 class FinetuneTrainer(SFTTrainer):

@@ -37,10 +37,12 @@ def test_tiny_bench_writes_every_case(tmp_path):
             assert result["tokens_per_s"] > 0 and result["step_time_median_s"] > 0
             assert result["timed_steps"] >= 2
             assert 0 < result["loss_last"] < 20
+            assert result["lm_head_calls"] == 0, "the full-vocabulary logits were built (TRL's fused LM head unused)"
             if case.data == "fixed":
                 assert 0 < result["mfu"] < 1
             if variant.recipe:
                 assert result["command"].startswith(f"scripts/sft.py --config recipes/{variant.recipe}")
+                assert result["planned_gib"] > 0
     numerics = report["numerics"]
     assert "error" not in numerics, numerics
     assert numerics["max_rel_diff"] < 0.02 and numerics["passed"]

@@ -83,3 +83,22 @@ def test_lora_target_parameters_none_on_the_command_line_turns_expert_lora_off()
     assert parse_args(["--config", recipe, "--tiny"]).model.lora_target_parameters == [
         "mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
     assert parse_args(["--config", recipe, "--tiny", "--lora_target_parameters", "none"]).model.lora_target_parameters is None
+
+
+def test_on_cpu_a_recipe_s_activation_offloading_is_off_and_the_flag_is_refused(tmp_path, caplog):
+    import pytest
+
+    from finetune.config import check, parse_args
+    from finetune.errors import UserError
+
+    recipe = tmp_path / "offloaded.yaml"
+    recipe.write_text((ROOT / "recipes/llama-3.2-3b/lora.yaml").read_text().replace("activation_offloading: false",
+                                                                                   "activation_offloading: true"))
+    with caplog.at_level("WARNING", logger="finetune.cpu"):
+        run = parse_args(["--config", str(recipe), "--tiny", "--output_dir", str(tmp_path / "out")])
+    assert not run.training.activation_offloading and "'activation_offloading': False" in caplog.text
+    check(run)
+    flagged = parse_args(["--config", str(recipe), "--tiny", "--output_dir", str(tmp_path / "out"),
+                          "--activation_offloading", "true"])
+    with pytest.raises(UserError, match="--activation_offloading true.*no GPU; drop the flag"):
+        check(flagged)

@@ -138,6 +138,42 @@ def test_dense_layer_activation_formula_matches_the_saved_tensors_of_the_real_la
     assert P.layer_activation_bytes_per_token(P.architecture_of("llama-3.2-1b"), setup()) == measured_per_token
 
 
+def test_offloading_takes_the_checkpointed_layer_inputs_off_the_gpu_but_the_last_few():
+    a = P.architecture_of("llama-3.2-3b")
+    s = P.setup_from_recipe(read_recipe(ROOT / "recipes/llama-3.2-3b/lora.yaml", {"gradient_checkpointing": True}))
+    offloaded = P.setup_from_recipe(read_recipe(ROOT / "recipes/llama-3.2-3b/lora.yaml",
+                                                parse_overrides(["--gradient_checkpointing", "true",
+                                                                 "--activation_offloading", "true"])))
+    assert offloaded.activation_offloading and not s.activation_offloading
+    layer_input = s.tokens * 2 * a.hidden
+    moved = (a.layers - P.OFFLOAD_STASH_TENSORS) * layer_input
+    assert P.activation_bytes(a, offloaded)["offloaded_to_cpu"] == moved
+    assert P.activation_bytes(a, s)["saved"] - P.activation_bytes(a, offloaded)["saved"] == moved
+    kept, freed = P.estimate(a, s, "ddp", 1).allocated, P.estimate(a, offloaded, "ddp", 1).allocated
+    assert kept - freed == pytest.approx(moved)
+    everything = P.activation_bytes(a, replace(offloaded, gradient_checkpointing=False))  # without checkpointing
+    assert everything["offloaded_to_cpu"] == (a.layers - 1) * P.activation_bytes(a, offloaded)["recompute"]
+
+
+def test_on_a_24_gb_card_the_3b_lora_recipe_runs_batch_8_checkpointed_and_longer_rows_offloaded():
+    path = ROOT / "recipes/llama-3.2-3b/lora.yaml"
+    for gpu in ("A10", "L4"):
+        as_shipped = P.plan(read_recipe(path), gpus=1, gpu=gpu)
+        assert not as_shipped.fits and "--gradient_checkpointing true" in as_shipped.suggestions[0]
+        checkpointed = P.plan(read_recipe(path, {"gradient_checkpointing": True}), gpus=1, gpu=gpu)
+        assert checkpointed.fits and checkpointed.technique == "ddp"
+        longer = read_recipe(path, {"max_length": 8192})
+        tip = next(tip for tip in P.plan(longer, gpus=1, gpu=gpu).suggestions if "offloading" in tip)
+        assert tip.endswith("--gradient_checkpointing true --activation_offloading true")
+        assert P.plan(read_recipe(path, {"max_length": 8192} | parse_overrides(tip.split(": ")[1].split())), gpus=1,
+                      gpu=gpu).fits
+        assert not P.plan(read_recipe(path, {"max_length": 8192, "gradient_checkpointing": True}), gpus=1,
+                          gpu=gpu).fits
+    table = P.format_plan(P.plan(read_recipe(path, {"max_length": 8192, "gradient_checkpointing": True,
+                                                    "activation_offloading": True}), gpus=1, gpu="A10"))
+    assert "GiB of activations in pinned CPU memory per GPU" in table
+
+
 def test_moe_weights_count_every_expert_but_activations_only_the_active_ones():
     a = P.architecture_of("gpt-oss-20b")
     fewer = replace(a, experts=a.experts // 2)

@@ -121,3 +121,127 @@ def test_under_checkpointing_a_layer_with_a_graph_break_is_still_compiled_once_f
     assert counter.op_count > 10 * 2, "the compiled graphs should hold the layer's work"
     for eager, compiled in zip(*gradients):
         torch.testing.assert_close(compiled, eager)
+
+
+def cpu_offloading(monkeypatch):
+    """TRL's activation offloading with the CPU standing in for the GPU: every offloaded tensor is copied into a new
+    CPU tensor and copied back in backward, without pinned memory or a second stream (both need a GPU; on a machine
+    without one the recipes turn `activation_offloading` off, finetune/cpu.py). Returns the context and the log of
+    (phase, shape) of every tensor it offloaded."""
+    import types
+
+    import torch
+    from trl.models.activation_offloading import OffloadActivations
+
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.accelerator, "current_accelerator", lambda *args, **kwargs: torch.device("cpu"))
+        context = OffloadActivations(use_pin_memory=False, use_streams=False)
+    context.device_module = types.SimpleNamespace(current_stream=torch.cpu.current_stream, stream=torch.cpu.stream,
+                                                  empty_cache=lambda: None)
+    offloaded, phase = [], ["forward"]
+    pack = context.pack_hook
+
+    def logged_pack(tensor):
+        tensor_id = pack(tensor)
+        if context.tracker[tensor_id][1]:  # True: copied to the CPU, not kept in place
+            offloaded.append((phase[0], tuple(tensor.shape)))
+        return tensor_id
+
+    context.pack_hook = logged_pack
+    return context, offloaded, phase
+
+
+def test_offloading_compiled_checkpoints_moves_only_layer_inputs_and_keeps_the_gradients(monkeypatch):
+    """With checkpointing each layer keeps only its input: offloading moves those inputs to the CPU and brings them
+    back for the backward, where the layer is recomputed (compiled, inside a reentrant checkpoint) on the device."""
+    import contextlib
+
+    import torch
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from finetune import patches
+    from finetune.train import _call
+
+    layers, batch, seq, hidden = 4, 2, 24, 32
+    config = AutoConfig.for_model("llama", hidden_size=hidden, intermediate_size=64, num_hidden_layers=layers,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=128)
+    ids = torch.randint(0, 128, (batch, seq), generator=torch.Generator().manual_seed(0))
+
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled_call = torch.compile(_call, backend=counter)  # as train.CompileInsideCheckpoints compiles it
+
+    def train_step(offloading: bool, keep_recomputation: bool):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        model.train()
+        model.gradient_checkpointing_enable()
+        patches.compile_inside_checkpoints(model, compiled_call, offloading=keep_recomputation)
+        context, offloaded, phase = cpu_offloading(monkeypatch) if offloading else (None, [], ["forward"])
+        if context:
+            context.update_model_params(model)
+        with context or contextlib.nullcontext():
+            loss = model(input_ids=ids, labels=ids).loss
+            phase[0] = "backward"
+            loss.backward()
+        assert counter.frame_count > 0, "the layers should run compiled"
+        return loss.detach(), [parameter.grad for parameter in model.parameters()], offloaded
+
+    loss, gradients, _ = train_step(offloading=False, keep_recomputation=False)
+    offloaded_loss, offloaded_gradients, offloaded = train_step(offloading=True, keep_recomputation=True)
+    torch.testing.assert_close(offloaded_loss, loss)
+    for with_offloading, without in zip(offloaded_gradients, gradients):
+        torch.testing.assert_close(with_offloading, without)
+    layer_inputs = [entry for entry in offloaded if entry == ("forward", (batch, seq, hidden))]
+    assert len(layer_inputs) >= layers, offloaded
+    assert not [entry for entry in offloaded if entry[0] == "backward"], "the recomputed layers were offloaded too"
+
+    _, _, unguarded = train_step(offloading=True, keep_recomputation=False)
+    torch._dynamo.reset()
+    assert [entry for entry in unguarded if entry[0] == "backward"], "the reentrant recomputation meets the hooks"
+
+
+def test_the_training_loss_never_builds_the_full_vocabulary_logits_and_equals_the_plain_loss(monkeypatch):
+    """TRL's SFTTrainer (so every recipe) scores tokens through a fused LM head: tiles of tokens x vocabulary columns
+    instead of the (tokens x vocabulary) logits, 8 GiB in fp32 for Llama at batch 8 x 2048. Here with small tiles:
+    the same loss and gradients as the model's own loss over the full logits."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from trl.kernels import chunked_logprob
+    from trl.trainer import utils as trl_utils
+
+    monkeypatch.setattr(chunked_logprob, "TOKEN_CHUNK_SIZE", 16)
+    monkeypatch.setattr(trl_utils, "_CHUNKED_LOGPROB_CHUNK_SIZE", 64)
+    batch, seq, vocab = 2, 24, 256
+    config = AutoConfig.for_model("llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=vocab)
+    ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0))
+    labels = ids.clone()
+    labels[:, :5] = -100  # a prompt: not scored
+
+    class LargestTensor(TorchDispatchMode):
+        numel = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for tensor in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(tensor, torch.Tensor):
+                    self.numel = max(self.numel, tensor.numel())
+            return out
+
+    results = {}
+    for fused in (False, True):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        trl_utils.add_fused_lm_head(model, outputs=("log_probs", "entropy", "is_top1"))  # as SFTTrainer does
+        with LargestTensor() as largest:
+            loss = model(input_ids=ids, labels=labels, fused_lm_head=fused, use_cache=False).loss
+            loss.backward()
+        results[fused] = loss.detach(), [p.grad for p in model.parameters()], largest.numel
+    (plain_loss, plain_grads, plain_largest), (loss, grads, largest) = results[False], results[True]
+    full_logits = batch * seq * vocab
+    assert plain_largest >= full_logits > largest, (plain_largest, largest)
+    torch.testing.assert_close(loss, plain_loss)
+    for fused_grad, plain_grad in zip(grads, plain_grads):
+        torch.testing.assert_close(fused_grad, plain_grad)
