@@ -16,7 +16,7 @@ from typing import Literal
 
 from trl import ModelConfig, ScriptArguments, SFTConfig, TrlParser
 
-from finetune import cpu, tracking
+from finetune import cpu, fp8, tracking
 from finetune.architectures import model_family
 from finetune.config_files import (
     accelerate_config_file,
@@ -92,6 +92,12 @@ class FinetuneArguments:
         default=None,
         metadata={"help": "Values the chat template reads, in training rows and sample answers alike, e.g. "
                           "'{\"reasoning_effort\": \"high\"}' for GPT-OSS; a row's own `chat_template_kwargs` win."},
+    )
+    fp8: bool = field(
+        default=False,
+        metadata={"help": "Train the linear layers of full fine-tuning in float8 (torchao, tensorwise scaling; LM head, "
+                          "embeddings and norms stay bf16) on GPUs with float8 tensor cores (L4, H100, H200); needs "
+                          "torch_compile and `pip install -e \".[fp8]\"`. The saved model is plain bf16."},
     )
     dequantize_mxfp4: bool = field(
         default=True,
@@ -323,6 +329,7 @@ def check(run: RunConfig) -> None:
             f"{model.model_name_or_path} does not have; remove it or use lora_target_modules."
         )
     tracking.check_installed(run.training, source)
+    fp8.check(run, source)
     check_deepspeed_agrees(run)
     check_resume_checkpoint(run)
     check_output_dir(run)

@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel, TrainerCallback
 from trl import SFTTrainer
 
-from finetune import checkpoints, expert_lora, inference, make_callable, patches, tracking
+from finetune import checkpoints, expert_lora, fp8, inference, make_callable, patches, tracking
 from finetune import model as model_loading
 from finetune.config import RUN_RECORD, RunConfig, run_identity
 from finetune.config_files import accelerate_config_file, requested_strategy
@@ -142,6 +142,7 @@ class FinetuneTrainer(SFTTrainer):
 
 def build_trainer(run: RunConfig, model: PreTrainedModel, tokenizer, train_set, eval_set) -> SFTTrainer:
     model_loading.fix_generation_config(model, tokenizer)
+    in_float8 = fp8.convert_linear_layers(model) if run.finetune.fp8 else []  # before accelerate wraps or compiles it
     trainer = FinetuneTrainer(
         model=model,
         args=run.training,
@@ -152,6 +153,9 @@ def build_trainer(run: RunConfig, model: PreTrainedModel, tokenizer, train_set, 
         callbacks=compile_per_layer(run.training),
     )
     expert_lora.use_kernel(trainer, run.finetune.expert_lora_kernel)
+    if in_float8 and trainer.accelerator.is_main_process:
+        print(f"[finetune] fp8: {len(in_float8)} linear layers train in float8 ({fp8.SCALING} scaling); the LM head, "
+              f"embeddings and norms in {model.dtype}", flush=True)
     setup_check = SetupCheck(trainer, accelerate_config_file())
     trainer.add_callback(setup_check)
     if tracking.wanted(run.training):

@@ -1,0 +1,113 @@
+"""`fp8: true`: refused where it cannot run (no float8 GPU, no torchao, LoRA, DeepSpeed, not compiled) before any model
+loads; where it runs, exactly the decoder layers' linear layers train in float8 and the saved model is plain bf16.
+
+The CPU has no float8 tensor cores, so the refusals that need an FP8 GPU pretend one; the training test runs the real
+trainer path after the check (torch 2.13 has a CPU float8 matmul, slow but exact enough for two steps).
+"""
+
+import json
+import math
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from finetune import fp8
+from tests.helpers import ROOT, run_sft_in_process
+
+FULL = ROOT / "recipes" / "llama-3.2-1b" / "full.yaml"
+LORA = ROOT / "recipes" / "llama-3.2-1b" / "lora.yaml"
+TINY_LLAMA_LINEARS = {f"model.layers.{layer}.{projection}" for layer in range(2) for projection in (
+    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+
+
+def refusal(arguments: list[str], capfd, monkeypatch) -> str:
+    result = run_sft_in_process(arguments, capfd, monkeypatch)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1, result.stderr[-3000:]
+    return lines[0]
+
+
+def test_fp8_on_a_machine_without_a_gpu_is_refused_in_one_sentence_naming_the_switch(tmp_path, capfd, monkeypatch):
+    sentence = refusal(["--config", str(FULL), "--tiny", "--fp8", "true", "--output_dir", str(tmp_path / "out")],
+                       capfd, monkeypatch)
+    assert sentence == (f"error: {FULL}: `fp8: true` needs a GPU with float8 tensor cores (compute capability 8.9 or "
+                        f"higher: L4, L40S, H100, H200) but this machine has no GPU; remove `fp8: true` to train in bf16.")
+
+
+@pytest.mark.parametrize("gpu, capability, refused", [
+    ("NVIDIA A100-SXM4-80GB", (8, 0), True), ("NVIDIA A10", (8, 6), True),
+    ("NVIDIA L4", (8, 9), False), ("NVIDIA H200", (9, 0), False)])
+def test_only_gpus_with_float8_tensor_cores_pass_the_hardware_check(gpu, capability, refused, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: gpu)
+    problem = fp8.hardware_problem()
+    assert (problem == f"the {gpu} here is compute capability {capability[0]}.{capability[1]}") if refused \
+        else problem is None
+
+
+@pytest.mark.parametrize("name, extra, environment, expected", [
+    ("torchao missing", [], {}, ["torchao, which is not installed", 'pip install -e ".[fp8]"']),
+    ("LoRA", ["--config", str(LORA)], {}, ["full fine-tuning, not LoRA (`use_peft: true`)"]),
+    ("DeepSpeed", [], {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"},
+     ["not DeepSpeed", "accelerate_configs/ddp.yaml or fsdp.yaml"]),
+    ("not compiled", [], {}, ["without `torch_compile: true`", "add `torch_compile: true`"]),
+])
+def test_fp8_where_it_would_not_run_or_not_pay_is_refused_before_the_model_loads(
+        name, extra, environment, expected, tmp_path, capfd, monkeypatch):
+    monkeypatch.setattr(fp8, "hardware_problem", lambda: None)  # as on an H200
+    if name == "torchao missing":
+        for module in ("torchao", "torchao.float8"):
+            monkeypatch.setitem(sys.modules, module, None)  # importing it then raises ImportError
+    for key, value in environment.items():
+        monkeypatch.setenv(key, value)
+    config = extra[:2] if extra[:1] == ["--config"] else ["--config", str(FULL)]
+    flags = extra[2:] if extra[:1] == ["--config"] else extra
+    sentence = refusal([*config, "--tiny", "--fp8", "true", *flags, "--output_dir", str(tmp_path / "out")],
+                       capfd, monkeypatch)
+    assert "`fp8: true`" in sentence and sentence.endswith("."), sentence
+    for words in expected:
+        assert words in sentence, sentence
+
+
+def test_fp8_trains_exactly_the_decoder_linears_in_float8_and_saves_a_plain_bf16_model(tmp_path):
+    """The real path after the check: recipe parsed, tiny Llama loaded in bf16, FinetuneTrainer built (which converts),
+    two optimizer steps, the model saved as TRL saves it."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    from finetune import config, data, model, train
+
+    output_dir = tmp_path / "out"
+    run = config.parse_args(["--config", str(FULL), "--tiny", "--fp8", "true", "--dtype", "bfloat16",
+                             "--output_dir", str(output_dir), "--max_steps", "2", "--per_device_train_batch_size", "2",
+                             "--gradient_accumulation_steps", "1", "--max_length", "64", "--eval_strategy", "no",
+                             "--save_strategy", "no", "--logging_steps", "1", "--report_to", "none",
+                             "--eval_samples_before_after", "0"])
+    path = model.resolve_model_path(run)
+    tokenizer = model.load_tokenizer(path, run.training.assistant_only_loss)
+    train_set, _ = data.load_datasets(run.script, run.training, None, run.finetune, tokenizer=tokenizer)
+    llama = model.load_model(run, path)
+    llama.resize_token_embeddings(pad_to_multiple_of=16)  # as Llama 3.2's 128,256: the LM head's sizes suit float8 too
+    trainer = train.build_trainer(run, llama, tokenizer, train_set.select(range(8)), None)
+
+    in_float8 = {name for name, module in trainer.model.named_modules() if isinstance(module, Float8Linear)}
+    assert in_float8 == TINY_LLAMA_LINEARS
+    assert type(trainer.model.lm_head) is torch.nn.Linear and trainer.model.lm_head.weight.dtype == torch.bfloat16
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses), losses
+    trainer.save_model(str(output_dir))
+
+    saved = load_file(output_dir / "model.safetensors")
+    bf16_model = model.load_model(run, path)
+    assert set(saved) == set(bf16_model.state_dict()) - {"lm_head.weight"}  # tied to the embeddings, saved once
+    assert {(type(tensor), tensor.dtype) for tensor in saved.values()} == {(torch.Tensor, torch.bfloat16)}
+    assert json.loads((output_dir / "config.json").read_text()).get("quantization_config") is None
+    reloaded = model.load_model(run, str(output_dir))
+    assert not any(isinstance(module, Float8Linear) for module in reloaded.modules())
+    trained = dict(trainer.model.named_parameters())
+    assert all(torch.equal(parameter, trained[name]) for name, parameter in reloaded.named_parameters())
