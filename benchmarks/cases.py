@@ -33,7 +33,7 @@ class Case:
     title: str
     arch: str
     method: str  # full | lora
-    data: str  # fixed | chat
+    data: str  # fixed | chat | markov (learnable, models.markov_rows)
     seq: int
     variants: list[Variant]
     target: str = ""
@@ -53,6 +53,9 @@ OSS_ATTENTION_ONLY = ["--lora_target_parameters", "none"]
 CHECKPOINTED = ["--gradient_checkpointing", "true"]
 OFFLOADED = [*CHECKPOINTED, "--activation_offloading", "true"]  # the layer inputs wait in pinned CPU memory
 SMALL_CARD_GIB = 22  # what PyTorch can use of a 24 GB card (A10, L4: 22.5 GiB) less the CUDA context
+# What a full recipe adds for FP8 (its header says so): float8 linears, each layer compiled, liger off (its kernels
+# break inductor's graphs)
+FP8 = ["--fp8", "true", "--torch_compile", "true", "--use_liger_kernel", "false"]
 
 
 def gpu_cases() -> list[Case]:
@@ -61,13 +64,15 @@ def gpu_cases() -> list[Case]:
             Variant("plain_default", "sdpa, batch 8", sft=_plain(8)),
             Variant("plain_best", "liger, batch 16", sft=_plain(16, use_liger_kernel=True)),
             Variant("finetune", "recipe as shipped", "llama-3.2-1b/full.yaml"),
+            Variant("finetune_fp8", "recipe + fp8 (float8 linears, torch_compile, no liger)", "llama-3.2-1b/full.yaml",
+                    FP8),
             Variant("finetune_fast", "recipe, batch 16", "llama-3.2-1b/full.yaml",
                     ["--per_device_train_batch_size", "16", "--gradient_accumulation_steps", "1"], profile=True,
                     extra=True),
             Variant("finetune_compile", "recipe, batch 16, no liger, torch_compile", "llama-3.2-1b/full.yaml",
                     ["--per_device_train_batch_size", "16", "--gradient_accumulation_steps", "1",
                      "--use_liger_kernel", "false", "--torch_compile", "true"], extra=True),
-        ], target=">= 70k tok/s and >= 1.1x plain best"),
+        ], target=">= 70k tok/s and >= 1.1x plain best; fp8 >= 72k"),
         Case("llama1b_chat", "Llama-3.2-1B full, chat rows 50-4,000 tokens (real tok/s)", "llama-3.2-1b", "full",
              "chat", 4096, [
             Variant("plain_default", "padded, sdpa, batch 8", sft=_plain(8, max_length=4096)),
@@ -142,9 +147,11 @@ def gpu_cases() -> list[Case]:
             Variant("plain_default", "sdpa, batch 4", sft=_plain(4)),
             Variant("plain_best", "liger, batch 8", sft=_plain(8, use_liger_kernel=True)),
             Variant("finetune", "recipe as shipped", "llama-3.2-3b/full.yaml"),
+            Variant("finetune_fp8", "recipe + fp8 (float8 linears, torch_compile, no liger)", "llama-3.2-3b/full.yaml",
+                    FP8),
             Variant("finetune_fast", "recipe, batch 8", "llama-3.2-3b/full.yaml",
                     ["--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "2"], extra=True),
-        ], target=">= 25k tok/s"),
+        ], target=">= 25k tok/s; fp8 >= 31k"),
         Case("llama1b_32k", "Llama-3.2-1B full, 32k sequence", "llama-3.2-1b", "full", "fixed", 32768, [
             Variant("plain_default", "TRL defaults (checkpointing), batch 1",
                     sft=_plain(1, gradient_checkpointing=True, max_length=32768)),
@@ -158,25 +165,41 @@ def gpu_cases() -> list[Case]:
 
 def tiny_cases() -> list[Case]:
     """Every GPU case, with tiny models, short rows and two timed steps: the same code paths on a CPU."""
-    cases = []
-    for case in gpu_cases():
-        seq = {"fixed": 32, "chat": 128}[case.data]
-        case = dataclasses.replace(case, seq=seq, warmup=1, timed=2)
-        for variant in case.variants:
-            variant.profile = False
-            variant.sft = {k: (seq if k == "max_length" else v) for k, v in variant.sft.items()}
-            variant.sft["per_device_train_batch_size"] = min(variant.sft.get("per_device_train_batch_size", 2), 4)
-            flags = list(variant.overrides)
-            for i, flag in enumerate(flags[:-1]):
-                if flag == "--max_length":
-                    flags[i + 1] = str(seq)
-                if flag == "--per_device_train_batch_size":
-                    flags[i + 1] = str(min(int(flags[i + 1]), 4))
-                if flag == "--activation_offloading":
-                    flags[i + 1] = "false"  # nothing to offload without a GPU (finetune.cpu)
-            variant.overrides = flags
-        cases.append(case)
-    return cases
+    return [tiny_case(case) for case in gpu_cases()]
+
+
+def tiny_case(case: Case, warmup: int = 1, timed: int = 2) -> Case:
+    """The case with tiny models' row lengths and batches, few steps, and nothing compiled."""
+    seq = {"fixed": 32, "chat": 128, "markov": 32}[case.data]
+    case = dataclasses.replace(case, seq=seq, warmup=warmup, timed=timed)
+    for variant in case.variants:
+        variant.profile = False
+        variant.sft = {k: (seq if k == "max_length" else v) for k, v in variant.sft.items()}
+        variant.sft["per_device_train_batch_size"] = min(variant.sft.get("per_device_train_batch_size", 2), 4)
+        flags = list(variant.overrides)
+        for i, flag in enumerate(flags[:-1]):
+            if flag == "--max_length":
+                flags[i + 1] = str(seq)
+            if flag == "--per_device_train_batch_size":
+                flags[i + 1] = str(min(int(flags[i + 1]), 4))
+            if flag == "--torch_compile":  # as on CPU for a recipe: inductor's C++ build would take minutes
+                flags[i + 1] = "false"
+            if flag == "--activation_offloading":
+                flags[i + 1] = "false"  # nothing to offload without a GPU (finetune.cpu)
+        variant.overrides = flags
+    return case
+
+
+def fp8_parity_case(steps: int, seq: int, batch: int, learning_rate: float) -> Case:
+    """Llama-3.2-1B trained by its full recipe as shipped (bf16) and with the FP8 flags, from the same random weights
+    on the same Markov-chain rows in the same order, one micro-batch per step; only the learning rate is raised, as
+    the weights start random rather than pretrained."""
+    flags = ["--per_device_train_batch_size", str(batch), "--gradient_accumulation_steps", "1",
+             "--learning_rate", str(learning_rate)]
+    return Case("fp8_parity", "Llama-3.2-1B full, bf16 recipe vs fp8, same weights and rows", "llama-3.2-1b", "full",
+                "markov", seq, [Variant("bf16", "recipe as shipped", "llama-3.2-1b/full.yaml", flags),
+                                Variant("fp8", "recipe + fp8", "llama-3.2-1b/full.yaml", flags + FP8)],
+                warmup=2, timed=steps - 2)
 
 
 def select(cases: list[Case], case_keys: str, variant_keys: str) -> list[Case]:

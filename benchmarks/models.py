@@ -95,6 +95,22 @@ def learnable_rows(n_rows: int, vocab: int, seed: int, low: int = 64, high: int 
     return rows
 
 
+def markov_rows(n_rows: int, seq: int, vocab: int, seed: int, states: int = 512, successors: int = 4) -> list[list[int]]:
+    """Rows of `seq` tokens walked on a random Markov chain: each of `states` token ids is followed by one of its
+    `successors` ids, with equal odds. A model learns it within a few hundred steps, and its loss has a floor, ln
+    `successors` nats per token, so two runs' final losses compare as numbers well above zero. The ids are below 990,
+    clear of the tiny tokenizer's special tokens (992 and up), which the real architectures' runs use too."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.choice(min(vocab, 990), size=states, replace=False)
+    following = rng.integers(0, states, size=(states, successors))
+    state = rng.integers(0, states, size=n_rows)
+    rows = np.empty((n_rows, seq), dtype=np.int64)
+    for position in range(seq):
+        rows[:, position] = tokens[state]
+        state = following[state, rng.integers(0, successors, size=n_rows)]
+    return rows.tolist()
+
+
 def make_dataset(rows):
     from datasets import Dataset
 

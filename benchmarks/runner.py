@@ -285,6 +285,8 @@ def plain_sft_config(variant: Variant, steps: int, output_dir: str, seq: int, ti
 def rows_for(case: Case, rows_per_step: int, steps: int, vocab: int, tiny: bool):
     if case.data == "fixed":
         return models.fixed_rows(rows_per_step * (steps + 1), case.seq, vocab, seed=1)
+    if case.data == "markov":
+        return models.markov_rows(rows_per_step * (steps + 1), case.seq, vocab, seed=4)
     # Chat rows average ~860 tokens: enough rows for padded batches and for packed bins of max_length tokens
     n = max(rows_per_step * (steps + 1), rows_per_step * (steps + 1) * case.seq // 700)
     return models.chat_rows(n, vocab, seed=2, high=case.seq - 96 if not tiny else case.seq - 8)
@@ -388,9 +390,10 @@ def run_variant(case: Case, variant: Variant, out_dir: Path, tiny: bool, layers:
     result["setup_s"] = round(time.perf_counter() - start - sum(t for t, _ in timer.steps), 1)
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     result["loss_first"], result["loss_last"], result["losses"] = losses[0], losses[-1], losses
-    result["tokens_per_s"] = result["tokens_per_s_median" if case.data == "fixed" else "tokens_per_s_mean"]
+    fixed_length = case.data != "chat"
+    result["tokens_per_s"] = result["tokens_per_s_median" if fixed_length else "tokens_per_s_mean"]
     result["flops_per_token"] = fpt
-    result["mfu"] = result["tokens_per_s"] * fpt / PEAK_FLOPS if case.data == "fixed" else None
+    result["mfu"] = result["tokens_per_s"] * fpt / PEAK_FLOPS if fixed_length else None
     if device == "cuda":
         result["peak_gib"] = (torch.cuda.max_memory_allocated() - baseline) / GIB
         result["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / GIB

@@ -155,7 +155,7 @@ def build_trainer(run: RunConfig, model: PreTrainedModel, tokenizer, train_set, 
     expert_lora.use_kernel(trainer, run.finetune.expert_lora_kernel)
     if in_float8 and trainer.accelerator.is_main_process:
         print(f"[finetune] fp8: {len(in_float8)} linear layers train in float8 ({fp8.SCALING} scaling); the LM head, "
-              f"embeddings and norms in {model.dtype}", flush=True)
+              f"embeddings and norms in {str(model.dtype).removeprefix('torch.')}", flush=True)
     setup_check = SetupCheck(trainer, accelerate_config_file())
     trainer.add_callback(setup_check)
     if tracking.wanted(run.training):

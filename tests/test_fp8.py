@@ -111,3 +111,19 @@ def test_fp8_trains_exactly_the_decoder_linears_in_float8_and_saves_a_plain_bf16
     assert not any(isinstance(module, Float8Linear) for module in reloaded.modules())
     trained = dict(trainer.model.named_parameters())
     assert all(torch.equal(parameter, trained[name]) for name, parameter in reloaded.named_parameters())
+
+
+def test_fp8_parity_passes_within_one_percent_of_the_bf16_final_loss_and_fails_beyond(tmp_path):
+    from benchmarks.fp8_parity import compare, plot, write_curves
+
+    bf16 = [11.9 - 0.05 * step for step in range(200)]
+    for scale, passed in ((1.009, True), (1.011, False)):
+        report = {"title": "t", "runs": {"bf16": {"losses": bf16}, "fp8": {"losses": [loss * scale for loss in bf16]}}}
+        compare(report)
+        assert report["passed"] is passed and report["final_rel_diff"] == pytest.approx(scale - 1)
+    report["runs"]["fp8"] = {"error": "RuntimeError: out of memory"}
+    compare(report)
+    assert report["passed"] is False
+    write_curves(report, tmp_path)
+    assert plot(report, tmp_path / "fp8_parity.png") == str(tmp_path / "fp8_parity.png")
+    assert (tmp_path / "fp8_parity.csv").read_text() == "step,bf16,fp8\n"
