@@ -182,10 +182,10 @@ def tiny_case(case: Case, warmup: int = 1, timed: int = 2) -> Case:
                 flags[i + 1] = str(seq)
             if flag == "--per_device_train_batch_size":
                 flags[i + 1] = str(min(int(flags[i + 1]), 4))
-            if flag == "--torch_compile":  # as on CPU for a recipe: inductor's C++ build would take minutes
+            # off on a CPU: inductor's C++ build would take minutes, there is nothing to offload without a GPU
+            # (finetune.cpu), and no float8 matmul to measure (nor a need for torchao)
+            if flag in ("--torch_compile", "--activation_offloading", "--fp8"):
                 flags[i + 1] = "false"
-            if flag == "--activation_offloading":
-                flags[i + 1] = "false"  # nothing to offload without a GPU (finetune.cpu)
         variant.overrides = flags
     return case
 

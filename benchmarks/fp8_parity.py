@@ -7,7 +7,8 @@ throughput benchmark's `run_variant`, so its tokens/s and peak memory come with 
 
     python3 benchmarks/fp8_parity.py --out DIR --budget 240       # GPU: both runs, about two minutes on an H200
     python3 benchmarks/fp8_parity.py --plot DIR/fp8_parity.json   # the PNG from the JSON, where matplotlib is
-    python3 benchmarks/fp8_parity.py --out DIR --tiny             # CPU: the tiny Llama, a few steps, to try it
+    python3 benchmarks/fp8_parity.py --out DIR --tiny             # CPU: the tiny Llama, a few steps, both runs
+                                                                  #   in float32 (no float8 matmul): plumbing only
 
 Writes DIR/fp8_parity.json (both loss curves, settings, each run's tokens/s and peak memory), DIR/fp8_parity.csv
 (step, bf16 loss, fp8 loss) and DIR/fp8_parity.png (both curves; left out, and said so, without matplotlib), and

@@ -95,7 +95,8 @@ def learnable_rows(n_rows: int, vocab: int, seed: int, low: int = 64, high: int 
     return rows
 
 
-def markov_rows(n_rows: int, seq: int, vocab: int, seed: int, states: int = 512, successors: int = 4) -> list[list[int]]:
+def markov_rows(n_rows: int, seq: int, vocab: int, seed: int, states: int = 512,
+                successors: int = 4) -> list[list[int]]:
     """Rows of `seq` tokens walked on a random Markov chain: each of `states` token ids is followed by one of its
     `successors` ids, with equal odds. A model learns it within a few hundred steps, and its loss has a floor, ln
     `successors` nats per token, so two runs' final losses compare as numbers well above zero. The ids are below 990,
