@@ -66,6 +66,8 @@ def gpu_cases() -> list[Case]:
             Variant("finetune", "recipe as shipped", "llama-3.2-1b/full.yaml"),
             Variant("finetune_fp8", "recipe + fp8 (float8 linears, torch_compile, no liger)", "llama-3.2-1b/full.yaml",
                     FP8),
+            Variant("finetune_fp8_b16", "recipe + fp8, batch 16", "llama-3.2-1b/full.yaml",
+                    [*FP8, "--per_device_train_batch_size", "16", "--gradient_accumulation_steps", "1"], extra=True),
             Variant("finetune_fast", "recipe, batch 16", "llama-3.2-1b/full.yaml",
                     ["--per_device_train_batch_size", "16", "--gradient_accumulation_steps", "1"], profile=True,
                     extra=True),

@@ -48,14 +48,14 @@ def check(run, source: str) -> None:
     if problem:
         raise UserError(f"{source}: `fp8: true` needs a GPU with float8 tensor cores (compute capability 8.9 or "
                         f"higher: L4, L40S, H100, H200) but {problem}; remove `fp8: true` to train in bf16.")
+    if not run.training.torch_compile:
+        raise UserError(f"{source}: `fp8: true` without `torch_compile: true` is slower than bf16 (the float8 casts "
+                        f"are fused into the matmuls' neighbours only when compiled); add `torch_compile: true`.")
     try:
         import torchao.float8  # noqa: F401
     except ImportError:
         raise UserError(f"{source}: `fp8: true` trains through torchao, which is not installed; install it with "
                         f"`{INSTALL}` or remove `fp8: true`.") from None
-    if not run.training.torch_compile:
-        raise UserError(f"{source}: `fp8: true` without `torch_compile: true` is slower than bf16 (the float8 casts "
-                        f"are fused into the matmuls' neighbours only when compiled); add `torch_compile: true`.")
 
 
 def convert_linear_layers(model: torch.nn.Module) -> list[str]:

@@ -9,7 +9,6 @@ is installed (`pip install -e ".[fp8]"`; not part of `.[test]`, see pyproject.to
 import json
 import math
 import sys
-import types
 
 import pytest
 import torch
@@ -54,7 +53,6 @@ def test_only_gpus_with_float8_tensor_cores_pass_the_hardware_check(gpu, capabil
 
 
 @pytest.mark.parametrize("name, extra, environment, expected", [
-    ("torchao missing", [], {}, ["torchao, which is not installed", 'pip install -e ".[fp8]"']),
     ("LoRA", ["--config", str(LORA)], {}, ["full fine-tuning, not LoRA (`use_peft: true`)"]),
     ("DeepSpeed", [], {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"},
      ["not DeepSpeed", "accelerate_configs/ddp.yaml or fsdp.yaml"]),
@@ -63,17 +61,28 @@ def test_only_gpus_with_float8_tensor_cores_pass_the_hardware_check(gpu, capabil
 def test_fp8_where_it_would_not_run_or_not_pay_is_refused_before_the_model_loads(
         name, extra, environment, expected, tmp_path, capfd, monkeypatch):
     monkeypatch.setattr(fp8, "hardware_problem", lambda: None)  # as on an H200
-    for module in ("torchao", "torchao.float8"):  # None: importing it raises ImportError, as when not installed
-        monkeypatch.setitem(sys.modules, module, None if name == "torchao missing" else types.ModuleType(module))
     for key, value in environment.items():
         monkeypatch.setenv(key, value)
     config = extra[:2] if extra[:1] == ["--config"] else ["--config", str(FULL)]
-    flags = extra[2:] if extra[:1] == ["--config"] else extra
-    sentence = refusal([*config, "--tiny", "--fp8", "true", *flags, "--output_dir", str(tmp_path / "out")],
-                       capfd, monkeypatch)
+    sentence = refusal([*config, "--tiny", "--fp8", "true", "--output_dir", str(tmp_path / "out")], capfd, monkeypatch)
     assert "`fp8: true`" in sentence and sentence.endswith("."), sentence
     for words in expected:
         assert words in sentence, sentence
+
+
+def test_fp8_without_torchao_names_the_extra_to_install(monkeypatch):
+    from finetune.config import parse_args
+    from finetune.errors import UserError
+
+    run = parse_args(["--config", str(FULL), "--tiny", "--fp8", "true"])
+    run.training.torch_compile = True  # as on a GPU: the CPU's override turns it off
+    monkeypatch.setattr(fp8, "hardware_problem", lambda: None)
+    for module in ("torchao", "torchao.float8"):
+        monkeypatch.setitem(sys.modules, module, None)  # importing it raises ImportError, as when not installed
+    with pytest.raises(UserError) as refused:
+        fp8.check(run, str(FULL))
+    assert str(refused.value) == (f"{FULL}: `fp8: true` trains through torchao, which is not installed; install it "
+                                  f'with `pip install -e ".[fp8]"` or remove `fp8: true`.')
 
 
 def test_fp8_trains_exactly_the_decoder_linears_in_float8_and_saves_a_plain_bf16_model(tmp_path):
