@@ -134,42 +134,37 @@ def grouped_mm_per_expert(left: torch.Tensor, right: torch.Tensor, offsets: torc
 class GroupedLoraMatmul(torch.autograd.Function):
     """y = x·W_e + s·(x·L_e)·R_e for the rows of each expert e; gradients for x, L and R, none for the frozen W.
 
-    x = inputs[rows] [rows, in] sorted by expert (rows None: inputs already are), W [experts, in, out], L [experts, in,
-    r], R [experts, r, out]; L and R may be None (an expert weight that is not adapted). With `rows`, the gather is
-    redone in the backward instead of kept: GPT-OSS routes each token to 4 experts, so the sorted copy is 4x the inputs
-    (189 MB a layer on GPT-OSS-20B at batch 4 x 2048)."""
+    x [rows, in] sorted by expert, W [experts, in, out], L [experts, in, r], R [experts, r, out]; L and R may be None
+    (an expert weight that is not adapted)."""
 
     @staticmethod
-    def forward(ctx, inputs, weight, lora_in, lora_out, offsets, scaling, rows):
-        x = inputs if rows is None else inputs[rows]
+    def forward(ctx, x, weight, lora_in, lora_out, offsets, scaling):
         output = grouped_mm(x, weight, offsets)
         projected = None
         if lora_in is not None:
             projected = grouped_mm(x, lora_in, offsets)
             output = output + scaling * grouped_mm(projected, lora_out, offsets)
-        ctx.save_for_backward(inputs, weight, lora_in, lora_out, offsets, projected, rows)
+        ctx.save_for_backward(x, weight, lora_in, lora_out, offsets, projected)
         ctx.scaling = scaling
         return output
 
     @staticmethod
     def backward(ctx, grad_output):
-        inputs, weight, lora_in, lora_out, offsets, projected, rows = ctx.saved_tensors
+        x, weight, lora_in, lora_out, offsets, projected = ctx.saved_tensors
         grad_output = grad_output.contiguous()
-        grad_inputs = grad_in = grad_out = None
+        grad_x = grad_in = grad_out = None
         grad_projected = None
         if lora_in is not None:
             grad_projected = ctx.scaling * grouped_mm(grad_output, lora_out.transpose(-2, -1), offsets)
             if ctx.needs_input_grad[3]:
                 grad_out = ctx.scaling * grouped_mm_per_expert(projected, grad_output, offsets)
             if ctx.needs_input_grad[2]:
-                x = inputs if rows is None else inputs[rows]
                 grad_in = grouped_mm_per_expert(x, grad_projected, offsets)
         if ctx.needs_input_grad[0]:
             grad_x = grouped_mm(grad_output, weight.transpose(-2, -1), offsets)
             if grad_projected is not None:
                 grad_x = grad_x + grouped_mm(grad_projected, lora_in.transpose(-2, -1), offsets)
-            grad_inputs = grad_x if rows is None else torch.zeros_like(inputs).index_add_(0, rows, grad_x)
-        return grad_inputs, None, grad_in, grad_out, None, None, None
+        return grad_x, None, grad_in, grad_out, None, None
 
 
 def lora_factors(wrapper: ParamWrapper, adapter: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, float]:
@@ -195,19 +190,19 @@ def experts_forward(experts, hidden_states, router_indices, routing_weights, ada
     top_k = router_indices.shape[-1]
     num_tokens, hidden = hidden_states.shape
     expert_ids, order = torch.sort(router_indices.reshape(-1))
-    token_of_row = order // top_k
+    x = hidden_states[order // top_k]
     sample_weights = routing_weights.reshape(-1)[order]
-    counts = torch.histc(expert_ids.float() if hidden_states.device.type == "cpu" else expert_ids.int(),
-                         bins=num_experts, min=0, max=num_experts - 1)
+    counts = torch.histc(expert_ids.float() if x.device.type == "cpu" else expert_ids.int(), bins=num_experts,
+                         min=0, max=num_experts - 1)
     offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
 
-    def project(inputs, name, rows=None):
+    def project(inputs, name):
         weight = getattr(experts, name)
         lora_in, lora_out, scaling = adapters.get(name, (None, None, 1.0))
-        output = GroupedLoraMatmul.apply(inputs.to(weight.dtype), weight, lora_in, lora_out, offsets, scaling, rows)
+        output = GroupedLoraMatmul.apply(inputs.to(weight.dtype), weight, lora_in, lora_out, offsets, scaling)
         return output + getattr(experts, f"{name}_bias")[expert_ids] if experts.has_bias else output
 
-    gated = experts._apply_gate(project(hidden_states, "gate_up_proj", rows=token_of_row))
+    gated = experts._apply_gate(project(x, "gate_up_proj"))
     weighted = project(gated, "down_proj") * sample_weights.unsqueeze(-1)
     unsorted = torch.empty_like(weighted)
     unsorted[order] = weighted
