@@ -337,6 +337,11 @@ def layer_activation_bytes_per_token(a: Architecture, s: Setup) -> float:
             if s.lora_dropout > 0:
                 lora += in_features * 3
             lora += s.lora_r * 2  # lora_A's output
+        if a.is_moe and s.expert_lora_kernel == "grouped":
+            # finetune/expert_lora.py keeps each adapted expert GEMM's input (in expert order, one row per active
+            # expert) and its rank-r projection for the factors' gradients: 8.4 GiB on GPT-OSS-20B at 4 x 2048
+            lora += a.experts_per_token * sum(2 * in_features + 2 * s.lora_r
+                                              for in_features, _ in lora_expert_targets(a, s).values())
     if s.attn_implementation == "eager":
         attention += 2 * a.heads * s.max_length * 2  # softmax probabilities (and their bf16 copy), per query
     return attention + mlp + lora
