@@ -656,6 +656,18 @@ def suggestions(a: Architecture, s: Setup, world: int, gpus_per_node: int, budge
     return out
 
 
+def faster_than_offload(a: Architecture, s: Setup, world: int, technique: str, budget: float) -> list[str]:
+    """When only ZeRO-3 offload fits (PCIe bound), checkpointing on the GPU is usually much faster if it fits without
+    offload: say so beside the command."""
+    if technique != "zero3_offload" or s.gradient_checkpointing:
+        return []
+    _, checkpointed = choose(a, replace(s, gradient_checkpointing=True), world, budget)
+    if checkpointed in (None, "zero3_offload"):
+        return []
+    return [f"activation checkpointing fits {LABELS[checkpointed]} without offloading, usually much faster: "
+            f"--gradient_checkpointing true ({CONFIG_FILES[checkpointed]})"]
+
+
 def plan(recipe_values: dict, gpus: int, gpu: str | None = None, gpu_memory_gib: float | None = None,
          nodes: int = 1, recipe_path: str = "RECIPE", extra_args: list[str] | None = None) -> Plan:
     s = setup_from_recipe(recipe_values)
@@ -665,7 +677,8 @@ def plan(recipe_values: dict, gpus: int, gpu: str | None = None, gpu_memory_gib:
     budget = memory * GIB * SAFETY_MARGIN
     estimates, technique = choose(a, s, world, budget)
     command = launch_command(technique, recipe_path, world, nodes, extra_args) if technique else None
-    tips = suggestions(a, s, world, gpus, budget) if technique is None else []
+    tips = suggestions(a, s, world, gpus, budget) if technique is None else faster_than_offload(a, s, world, technique,
+                                                                                                  budget)
     return Plan(s.model, s.method, gpu_name, memory, gpus, nodes, estimates, technique, technique is not None,
                 command, tips, activation_bytes(a, s)["offloaded_to_cpu"] / GIB)
 
@@ -698,6 +711,7 @@ def format_plan(p: Plan) -> str:
     if p.fits:
         lines.append(f"Use {LABELS[p.technique]} ({CONFIG_FILES[p.technique]}):")
         lines.append(f"  {p.command}")
+        lines += [f"  Faster: {tip}" for tip in p.suggestions]
     else:
         lines.append("Nothing fits. What would:")
         lines += [f"  - {tip}" for tip in p.suggestions]

@@ -209,6 +209,15 @@ def test_the_gpt_oss_expert_lora_plan_is_within_15_percent_of_the_h200():
         assert planned == pytest.approx(measured_gib, rel=0.15), (checkpointing, planned)
 
 
+def test_when_only_zero3_offload_fits_the_plan_also_names_checkpointing_on_the_gpu():
+    recipe = read_recipe(ROOT / "recipes/gpt-oss-20b/lora.yaml")
+    on_an_h100 = P.plan(recipe, gpus=1, gpu="H100")
+    assert on_an_h100.technique == "zero3_offload"
+    assert any("--gradient_checkpointing true" in tip and "ddp.yaml" in tip for tip in on_an_h100.suggestions)
+    assert "Faster: activation checkpointing" in P.format_plan(on_an_h100)
+    assert P.plan(recipe, gpus=1, gpu="H200").suggestions == []
+
+
 def test_the_planner_never_imports_torch_or_transformers():
     probe = "import sys, finetune.plan; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
