@@ -67,9 +67,16 @@ def train(config: str | os.PathLike | None = None, **overrides) -> TrainResult:
 
     argv = to_argv(config, overrides)
     sft = runpy.run_path(str(launch.SFT_SCRIPT), run_name="finetune_sft")
-    run, trainer, tokenizer = sft["prepare"](argv or None)
-    training.train_and_save(trainer, run, tokenizer)
-    training.finish_run(trainer)
+    # a run sets variables for itself (its recipe's `env:`, the MLflow run it continues); the kernel's next run must
+    # not inherit them
+    environment = dict(os.environ)
+    try:
+        run, trainer, tokenizer = sft["prepare"](argv or None)
+        training.train_and_save(trainer, run, tokenizer)
+        training.finish_run(trainer)
+    finally:
+        os.environ.clear()
+        os.environ.update(environment)
     return result_of(run.training.output_dir, trainer.state.log_history)
 
 
