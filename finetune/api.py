@@ -9,7 +9,10 @@ N processes through `accelerate launch`. Both take a recipe and overrides named 
 
 `launch` starts `accelerate launch` as a subprocess rather than accelerate's `notebook_launcher`: the processes then
 read the same accelerate config file as on the command line (FSDP, DeepSpeed), are checked the same way, and a
-crashed or killed run cannot take the notebook's kernel with it.
+crashed or killed run cannot take the notebook's kernel with it. `notebook_launcher` takes no config file, forks the
+kernel, and refuses to start N processes once bitsandbytes is imported in it ("Libraries known to initialize device
+upon import have been imported already"), which peft does on import: after any `finetune.train` in the same kernel
+(accelerate 1.16, measured).
 """
 
 from __future__ import annotations
@@ -67,9 +70,16 @@ def train(config: str | os.PathLike | None = None, **overrides) -> TrainResult:
 
     argv = to_argv(config, overrides)
     sft = runpy.run_path(str(launch.SFT_SCRIPT), run_name="finetune_sft")
-    run, trainer, tokenizer = sft["prepare"](argv or None)
-    training.train_and_save(trainer, run, tokenizer)
-    training.finish_run(trainer)
+    # a run sets variables for itself (its recipe's `env:`, the MLflow run it continues); the kernel's next run must
+    # not inherit them
+    environment = dict(os.environ)
+    try:
+        run, trainer, tokenizer = sft["prepare"](argv or None)
+        training.train_and_save(trainer, run, tokenizer)
+        training.finish_run(trainer)
+    finally:
+        os.environ.clear()
+        os.environ.update(environment)
     return result_of(run.training.output_dir, trainer.state.log_history)
 
 

@@ -42,8 +42,11 @@ def cpu_overrides(values: dict) -> dict:
 
 
 # What accelerate must read on CPU, where mixed precision is float32. The training arguments read it when they are
-# built (as their `mixed_precision`) and the Trainer's Accelerator reads it again.
-CPU_ENVIRONMENT = {"ACCELERATE_MIXED_PRECISION": "no"}
+# built (as their `mixed_precision`) and the Trainer's Accelerator reads it again. DS_ACCELERATOR is DeepSpeed's own
+# switch: accelerate imports DeepSpeed in every run (to unwrap models), and DeepSpeed, left to find an accelerator on a
+# machine without a GPU, warns "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to
+# detect it." There is none to detect; told, it picks the same CPU accelerator silently.
+CPU_ENVIRONMENT = {"ACCELERATE_MIXED_PRECISION": "no", "DS_ACCELERATOR": "cpu"}
 
 
 @contextlib.contextmanager

@@ -8,6 +8,12 @@ import pytest
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One thread per torch process, inherited by every process a test starts: the tiny models gain nothing from more, and
+# with two test workers (each starting training processes) on two cores, two threads per process wait for each other
+# at every op (4 tiny LoRA steps in one process on a busy 2-core machine: 53 s with two threads, 3.4 s with one).
+# `accelerate launch` without --cpu already gives its processes one; the rest (in-process runs, notebook kernels,
+# `python scripts/sft.py`, `finetune launch`) would take two.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 def pytest_configure(config):
     """Refuse the versions with which pytest-xdist's loadgroup ignores xdist_group marks (pytest-dev/pytest-xdist#1386):

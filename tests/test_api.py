@@ -3,6 +3,7 @@ trained, logging to a local MLflow store; `finetune.train` then resumes that run
 same MLflow run. One launch and one in-process run are shared by every test here."""
 
 import json
+import logging.handlers
 import os
 import sys
 
@@ -30,13 +31,26 @@ def store(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def launched(store):
+    """Four steps in two processes, then two more in this one; what MLflow logged as errors, and whether the in-process
+    run left the environment as it found it."""
+    import mlflow  # before its loggers are watched: importing mlflow replaces their handlers
+
     import finetune
 
-    common = {"tiny": True, "save_steps": 4, "logging_steps": 1, "output_dir": str(store / "out"), "report_to": "mlflow"}
+    # held-out scores before/after training are tested in tests/test_inference.py; here they would only cost time
+    common = {"tiny": True, "save_steps": 4, "logging_steps": 1, "output_dir": str(store / "out"), "report_to": "mlflow",
+              "eval_samples_before_after": 0}
     first = finetune.launch(config=LORA, num_processes=2, accelerate_config=str(ROOT / "accelerate_configs" / "ddp.yaml"),
                             main_process_port=free_port(), max_steps=4, **common)
-    resumed = finetune.train(config=LORA, max_steps=6, **common)
-    return first, resumed
+    errors = logging.handlers.BufferingHandler(capacity=1000)
+    errors.setLevel(logging.ERROR)
+    logging.getLogger(mlflow.__name__).addHandler(errors)
+    environment = dict(os.environ)
+    try:
+        resumed = finetune.train(config=LORA, max_steps=6, **common)
+    finally:
+        logging.getLogger(mlflow.__name__).removeHandler(errors)
+    return first, resumed, [record.getMessage() for record in errors.buffer], dict(os.environ) == environment
 
 
 def test_import_finetune_loads_neither_torch_nor_trl():
@@ -47,7 +61,7 @@ def test_import_finetune_loads_neither_torch_nor_trl():
 
 
 def test_launch_trains_two_processes_and_returns_the_output_folder_and_final_metrics(launched, store):
-    first, _ = launched
+    first, *_ = launched
     assert first.output_dir == store / "out"
     assert first.metrics["step"] == 4 and "train_loss" in first.metrics and "eval_loss" in first.metrics
     state = json.loads((store / "out" / "checkpoint-4" / "trainer_state.json").read_text())
@@ -55,17 +69,23 @@ def test_launch_trains_two_processes_and_returns_the_output_folder_and_final_met
 
 
 def test_train_runs_in_this_process_and_resumes_the_launched_run(launched, store):
-    _, resumed = launched
+    _, resumed, _, environment_kept = launched
     assert resumed.output_dir == store / "out"
     assert resumed.metrics["step"] == 6
     assert [entry["step"] for entry in resumed.log_history if "loss" in entry] == [1, 2, 3, 4, 5, 6]
+    assert environment_kept, "the kernel's next run would inherit this run's variables (the recipe's env:, MLflow's)"
 
 
-def test_mlflow_store_holds_recipe_setup_every_step_and_artifacts_of_one_continued_run(launched, store):
+def the_one_mlflow_run():
     import mlflow
 
     client = mlflow.MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
     (run,) = client.search_runs([exp.experiment_id for exp in client.search_experiments()])
+    return client, run
+
+
+def test_mlflow_store_holds_recipe_setup_every_step_and_artifacts_of_one_continued_run(launched, store):
+    client, run = the_one_mlflow_run()
     assert run.info.run_name == str(store / "out")
     assert run.data.params["recipe.lora_r"] == "16" and run.data.params["recipe.tiny"] == "True"
     # the setup is the latest launch's: the in-process resume ran as a single process
@@ -74,6 +94,15 @@ def test_mlflow_store_holds_recipe_setup_every_step_and_artifacts_of_one_continu
     artifacts = {artifact.path for artifact in client.list_artifacts(run.info.run_id)}
     assert {"loss.png", "finetune_run.json", "finetune_data.json", "setup.json"} <= artifacts
     assert json.loads((store / "out" / "mlflow_run.json").read_text())["run_id"] == run.info.run_id
+
+
+def test_a_relaunch_for_more_steps_keeps_the_first_param_tags_the_new_value_and_logs_no_error(launched, store):
+    *_, mlflow_errors, _ = launched
+    _, run = the_one_mlflow_run()
+    assert mlflow_errors == []
+    assert run.data.params["max_steps"] == "4" and run.data.params["recipe.max_steps"] == "4"
+    assert run.data.tags["relaunch.max_steps"] == "6" and run.data.tags["relaunch.recipe.max_steps"] == "6"
+    assert run.data.params["learning_rate"] == "0.0002", "the training arguments are logged once"
 
 
 def test_a_launch_that_fails_raises_the_one_sentence_and_nothing_else(store, capfd):

@@ -52,9 +52,12 @@ def test_plan_outside_the_repository_reads_the_shipped_recipe(installed):
     assert "accelerate launch --config_file accelerate_configs/" in result.stdout, result.stdout
 
 
-def test_no_arguments_trains_the_tiny_llama_on_sample_data_and_answers_before_and_after(installed):
+def test_no_arguments_trains_the_tiny_llama_on_sample_data_answers_before_and_after_and_warns_of_nothing(installed):
     result = run_installed(installed, "launch")
     assert result.returncode == 0, result.stderr[-3000:]
+    lines = (result.stdout + result.stderr).replace("\r", "\n").splitlines()
+    warnings = [line for line in lines if "warn" in line.lower() or "error" in line.lower()]
+    assert not warnings, warnings
     losses = printed_losses(result.stdout)
     assert losses[-1] < 0.5 * losses[0], losses
     assert "before training:" in result.stdout and "after training:" in result.stdout

@@ -61,11 +61,16 @@ def test_launch_without_a_config_file_uses_the_planners_choice_for_the_gpus_it_s
 
 
 def test_launch_without_gpus_runs_one_process_on_the_cpu_passing_what_accelerate_would_warn_about(gpus, monkeypatch):
+    import psutil
+
     gpus(0)
     monkeypatch.setattr(launch, "default_config_file", lambda: "/nonexistent/default_config.yaml")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # tests/conftest.py sets it; a user's shell usually does not
     command = launch.accelerate_command(["--config", "recipes/llama-3.2-1b/full.yaml", "--tiny"])
     assert "--config_file" not in command and flag(command, "--num_processes") == "1"
     assert [flag(command, name) for name in ("--num_machines", "--mixed_precision", "--dynamo_backend")] == ["1", "no", "no"]
+    # accelerate itself would give a process launched without --cpu one thread
+    assert flag(command, "--num_cpu_threads_per_process") == str(psutil.cpu_count(logical=False) or 1)
     assert command[-4:] == [str(launch.SFT_SCRIPT), "--config", "recipes/llama-3.2-1b/full.yaml", "--tiny"]
 
 
