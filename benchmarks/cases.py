@@ -67,7 +67,10 @@ def gpu_cases() -> list[Case]:
             Variant("finetune_fp8", "recipe + fp8 (float8 linears, torch_compile, no liger)", "llama-3.2-1b/full.yaml",
                     FP8),
             Variant("finetune_fp8_b16", "recipe + fp8, batch 16", "llama-3.2-1b/full.yaml",
-                    [*FP8, "--per_device_train_batch_size", "16", "--gradient_accumulation_steps", "1"], extra=True),
+                    [*FP8, "--per_device_train_batch_size", "16", "--gradient_accumulation_steps", "1"], profile=True,
+                    extra=True),
+            Variant("finetune_fp8_b32", "recipe + fp8, batch 32", "llama-3.2-1b/full.yaml",
+                    [*FP8, "--per_device_train_batch_size", "32", "--gradient_accumulation_steps", "1"], extra=True),
             Variant("finetune_fast", "recipe, batch 16", "llama-3.2-1b/full.yaml",
                     ["--per_device_train_batch_size", "16", "--gradient_accumulation_steps", "1"], profile=True,
                     extra=True),
@@ -104,6 +107,8 @@ def gpu_cases() -> list[Case]:
             Variant("finetune_budget", "recipe, compiled layers saving at most 0.8 of their activations "
                     "(activation_memory_budget: inductor recomputes the cheapest)", "llama-3.2-3b/lora.yaml",
                     functorch_config={"activation_memory_budget": 0.8}, extra=True),
+            Variant("finetune_budget06", "recipe, compiled layers saving at most 0.6 of their activations",
+                    "llama-3.2-3b/lora.yaml", functorch_config={"activation_memory_budget": 0.6}, extra=True),
         ], target=">= 31.5k tok/s within 42 GiB; offloaded checkpoints >= 24k within 8.5 GiB (Unsloth: 22.7k, "
                   f"8.3 GiB); runs in {SMALL_CARD_GIB} GiB"),
         Case("llama3b_lora_chat", "Llama-3.2-3B LoRA, chat rows 50-1,950 tokens (real tok/s)", "llama-3.2-3b", "lora",
