@@ -31,20 +31,26 @@ RUN_RECORD = "finetune_run.json"
 SAMPLE_DATA = shipped("data/sample")
 TINY_MAX_LENGTH = 256
 
-# What `accelerate launch scripts/sft.py` runs with no arguments: the tiny Llama on the bundled sample data.
+# What `accelerate launch scripts/sft.py` runs with no arguments: the tiny Llama on the bundled sample data, learning
+# its three word games (scripts/build_tiny_assets.py) well enough to answer most held-out prompts, in under a minute.
 DEFAULT_ARGS = [
     "--config", str(shipped("recipes/llama-3.2-1b/full.yaml")),
     "--tiny",
     "--output_dir", time.strftime("outputs/default-%Y%m%d-%H%M%S"),
     "--num_train_epochs", "12",
-    "--learning_rate", "3e-3",
-    "--per_device_train_batch_size", "1",
+    # TRL's packing fills a step with rows of about one length, here nearly always rows of one game (73 of 78 packed
+    # rows); steps of rows drawn at random learn the three games together, and reliably
+    "--packing", "false",
+    "--per_device_train_batch_size", "6",
     "--gradient_accumulation_steps", "1",
+    "--learning_rate", "1e-3",
+    # no decay: the games are learned late in the run, when a cosine schedule has already slowed it down
+    "--lr_scheduler_type", "constant_with_warmup",
     "--logging_steps", "80",
     "--eval_strategy", "epoch",
     "--save_strategy", "no",
-    "--sample_prompt", "Count from 3 to 7.",
-    "--eval_samples_before_after", "40",
+    "--sample_prompt", "Reverse: dog tree hat",  # a held-out prompt: no training row reverses these three words
+    "--eval_samples_before_after", "42",  # the whole test split
 ]
 
 

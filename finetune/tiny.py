@@ -53,8 +53,10 @@ def build_tiny_tokenizer(family: str) -> PreTrainedTokenizerFast:
 _TINY_ARCHITECTURE = {
     "llama": (
         "llama-3.2-1b",
-        {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-         "num_key_value_heads": 2, "head_dim": 16},
+        # 128 wide rather than 64: at 64 the default run learned its word games from some random starts and not
+        # from others (exact match 0.14-0.9 over six seeds); at 128 it did from all nine tried (0.93-1.0)
+        {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "head_dim": 32},
     ),
     "gpt-oss": (
         "gpt-oss-20b",

@@ -6,6 +6,7 @@ Writes data/sample/{train,test}.jsonl and finetune/tiny_tokenizers/{llama,gpt-os
 reproduces the checked-in files byte for byte; rerun it only when the task or the tokenizer recipe changes.
 """
 
+import itertools
 import json
 import random
 from pathlib import Path
@@ -14,26 +15,17 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 
 ROOT = Path(__file__).resolve().parent.parent
 SEED = 0
-N_TRAIN, N_TEST = 400, 40
+N_TRAIN = 400
+HELD_OUT_PER_GAME = 14
 VOCAB_SIZE = 1000  # including the special tokens, which sit after the learned vocabulary as in the real checkpoints
 
-# The task has to be learnable by a 2-layer, 64-wide random transformer in about a minute on a CPU, so every answer
-# is short and fully determined by the prompt.
-OPPOSITES = [
-    ("hot", "cold"), ("big", "small"), ("up", "down"), ("fast", "slow"), ("day", "night"), ("open", "closed"),
-    ("happy", "sad"), ("light", "dark"), ("old", "new"), ("yes", "no"), ("in", "out"), ("left", "right"),
-    ("early", "late"), ("full", "empty"), ("hard", "soft"), ("wet", "dry"), ("rich", "poor"), ("loud", "quiet"),
-    ("tall", "short"), ("win", "lose"),
-]
-WORDS = [
-    "cat", "dog", "sun", "map", "cup", "pen", "box", "hat", "bed", "car", "fish", "tree", "bird", "milk", "rain",
-    "star", "frog", "book", "lamp", "ship", "moon", "door", "king", "rose", "wolf", "cake", "desk", "leaf", "ring",
-    "bell",
-]
-COLORS = ["red", "blue", "green", "black", "white", "pink", "gray", "gold"]
-NOUNS = ["fish", "car", "hat", "bird", "cup", "tree", "door", "ship", "box", "star"]
+# The default run (`accelerate launch scripts/sft.py`) must visibly learn: a 2-layer, 64-wide random transformer, in
+# about a minute on a CPU, goes from no correct held-out answer to most of them. So the tasks are three word games
+# whose answers follow from the prompt by a rule (copy, reverse, pick the last word) over one small set of words, and
+# the held-out prompts are word combinations that no training row contains: scoring them measures that the rule was
+# learned, not that answers were memorised.
+WORDS = ["cat", "dog", "sun", "map", "cup", "pen", "box", "hat", "bed", "car", "fish", "tree"]
 SYSTEM_PROMPTS = ["You are a helpful assistant.", "Be concise."]
-HELD_OUT_SYSTEM_PROMPT = "Answer briefly."
 
 # Real-looking prose, so that arbitrary English still encodes in reasonably few tokens.
 GENERIC_ENGLISH = """\
@@ -46,6 +38,10 @@ In the evening the children played games in the garden while their parents cooke
 Scientists measure temperature, pressure and distance; engineers build bridges, machines, computers and networks.
 If you have any questions about your account, contact our support team by email or telephone during office hours.
 The history of the region includes long winters, short summers, several wars, and a famous library of ancient books.
+Our neighbours grow tomatoes, potatoes, carrots and onions, and they share the harvest with friends every autumn.
+The committee reviewed the proposal carefully, asked several difficult questions, and finally approved the budget.
+A journey of a thousand miles begins with a single step; patience, practice and curiosity carry you the rest of it.
+Thunderstorms rolled across the valley overnight, flooding several roads and delaying the morning buses.
 Numbers like 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 42, 100 and 2024 appear in text.
 So do symbols: ()[]{}<>/\\=+-*&%$#@!?;:'"`~^|.
 def main():
@@ -103,16 +99,11 @@ SPLIT_PATTERNS = {
 
 
 def all_examples() -> dict[str, list[tuple[str, str]]]:
-    """Every (prompt, answer) pair, grouped by template."""
+    """Every (prompt, answer) pair, grouped by game."""
     return {
-        "count": [
-            (f"Count from {a} to {a + n - 1}.", " ".join(str(i) for i in range(a, a + n)))
-            for a in range(1, 21)
-            for n in range(3, 7)
-        ],
-        "opposite": [(f"What is the opposite of {a}?", b) for x, y in OPPOSITES for a, b in ((x, y), (y, x))],
-        "reverse": [(f"Spell {w} backwards.", w[::-1]) for w in WORDS],
-        "repeat": [(f"Repeat: {c} {n}", f"{c} {n}") for c in COLORS for n in NOUNS],
+        "repeat": [(f"Repeat: {a} {b}", f"{a} {b}") for a, b in itertools.permutations(WORDS, 2)],
+        "reverse": [(f"Reverse: {' '.join(w)}", " ".join(reversed(w))) for w in itertools.permutations(WORDS, 3)],
+        "last word": [(f"Last word: {' '.join(w)}", w[-1]) for w in itertools.permutations(WORDS, 3)],
     }
 
 
@@ -123,30 +114,15 @@ def conversation(prompt: str, answer: str, system: str | None) -> dict:
 
 
 def build_dataset(rng: random.Random) -> tuple[list[dict], list[dict]]:
-    """Split each template's pairs so that no test conversation appears in train.
-
-    Count, reverse and repeat hold out whole prompts (count and repeat can be got right by generalising). Opposites
-    can only be memorised, so their test rows reuse train pairs and hold out the combination with a system prompt.
-    """
-    per_template = N_TEST // 4
-    train_pairs, test, memorised = [], [], set()
-    for name, pairs in all_examples().items():
+    """Hold out HELD_OUT_PER_GAME prompts of each game; each training row is a game drawn at random, then one of
+    its other prompts (drawing prompts from all games at once would leave few rows to Repeat, which has fewest)."""
+    systems = [None, None, *SYSTEM_PROMPTS]
+    train_pairs, test = [], []
+    for pairs in all_examples().values():
         rng.shuffle(pairs)
-        held_out = pairs[:per_template]
-        if name == "opposite":
-            train_pairs += pairs
-            memorised.update(prompt for prompt, _ in held_out)
-            test += [conversation(p, a, HELD_OUT_SYSTEM_PROMPT) for p, a in held_out]
-        else:
-            train_pairs += pairs[per_template:]
-            test += [conversation(p, a, rng.choice([None, None, *SYSTEM_PROMPTS])) for p, a in held_out]
-    train = []
-    while len(train) < N_TRAIN:
-        prompt, answer = rng.choice(train_pairs)
-        systems = [None, None, None, *SYSTEM_PROMPTS]
-        if prompt not in memorised:
-            systems.append(HELD_OUT_SYSTEM_PROMPT)
-        train.append(conversation(prompt, answer, rng.choice(systems)))
+        test += [conversation(prompt, answer, rng.choice(systems)) for prompt, answer in pairs[:HELD_OUT_PER_GAME]]
+        train_pairs.append(pairs[HELD_OUT_PER_GAME:])
+    train = [conversation(*rng.choice(rng.choice(train_pairs)), rng.choice(systems)) for _ in range(N_TRAIN)]
     rng.shuffle(test)
     return train, test
 

@@ -1,6 +1,7 @@
 """The toolkit as a user gets it from `pip install .` (a wheel, not an editable install), used from a folder outside
 the repository: the shipped recipes, config files, sample data and training script come with the package."""
 
+import json
 import os
 import subprocess
 import sys
@@ -9,6 +10,7 @@ import venv
 
 import pytest
 
+from finetune.inference import SCORES_FILE
 from tests.helpers import ROOT, printed_losses
 
 
@@ -52,7 +54,7 @@ def test_plan_outside_the_repository_reads_the_shipped_recipe(installed):
     assert "accelerate launch --config_file accelerate_configs/" in result.stdout, result.stdout
 
 
-def test_no_arguments_trains_the_tiny_llama_on_sample_data_answers_before_and_after_and_warns_of_nothing(installed):
+def test_no_arguments_trains_the_tiny_llama_until_it_answers_most_held_out_prompts_and_warns_of_nothing(installed):
     result = run_installed(installed, "launch")
     assert result.returncode == 0, result.stderr[-3000:]
     lines = (result.stdout + result.stderr).replace("\r", "\n").splitlines()
@@ -63,3 +65,7 @@ def test_no_arguments_trains_the_tiny_llama_on_sample_data_answers_before_and_af
     assert "before training:" in result.stdout and "after training:" in result.stdout
     (output_dir,) = (installed[1] / "outputs").glob("default-*")
     assert (output_dir / "model.safetensors").is_file() and (output_dir / "loss.png").is_file()
+    scores = json.loads((output_dir / SCORES_FILE).read_text())
+    assert scores["before"]["rows"] == scores["after"]["rows"] == 42  # the whole test split of data/sample
+    assert scores["before"]["exact_match"] <= 0.1, scores["before"]
+    assert scores["after"]["exact_match"] >= 0.6, scores["after"]
