@@ -178,6 +178,7 @@ class Setup:
     lora_target_parameters: tuple[str, ...] = ()
     max_length: int = 1024
     batch: int = 8
+    gradient_accumulation_steps: int = 1
     gradient_checkpointing: bool = False
     activation_offloading: bool = False  # TRL's: saved activations wait in pinned CPU memory for the backward
     optim: str = "adamw_torch_fused"
@@ -186,6 +187,7 @@ class Setup:
     use_liger_kernel: bool = False
     attn_implementation: str = "sdpa"
     torch_compile: bool = False
+    fp8: bool = False  # finetune/fp8.py: the decoder's linear layers in float8, compiled
     expert_lora_kernel: str = "grouped"  # grouped | peft (finetune/expert_lora.py)
 
     @property
@@ -222,6 +224,7 @@ def setup_from_recipe(values: dict) -> Setup:
         lora_target_parameters=_as_tuple(values.get("lora_target_parameters")),
         max_length=int(values.get("max_length") or 1024),
         batch=int(values.get("per_device_train_batch_size", 8)),
+        gradient_accumulation_steps=int(values.get("gradient_accumulation_steps") or 1),
         gradient_checkpointing=_as_bool(values.get("gradient_checkpointing", False)),
         activation_offloading=_as_bool(values.get("activation_offloading", False)),
         optim=str(values.get("optim", "adamw_torch_fused")),
@@ -230,6 +233,7 @@ def setup_from_recipe(values: dict) -> Setup:
         use_liger_kernel=_as_bool(values.get("use_liger_kernel", False)),
         attn_implementation=str(values.get("attn_implementation") or "sdpa"),
         torch_compile=_as_bool(values.get("torch_compile", False)),
+        fp8=_as_bool(values.get("fp8", False)),
         expert_lora_kernel=str(values.get("expert_lora_kernel") or "grouped"),
     )
 
@@ -306,6 +310,11 @@ def optimizer_bytes_per_param(s: Setup, param_bytes: int) -> float:
 # saving them. Fitted to one H200 measurement (GPT-OSS-20B attention LoRA, batch 4 x 2048, no checkpointing, compiled:
 # 60.6 GiB peak against 83.1 GiB planned for eager, which eager measured at 84.2; docs/benchmarks.md).
 COMPILED_EXPERT_SAVED_FRACTION = 0.18
+# `fp8: true` (torchao's Float8Linear in compiled layers): the linear layers save float8 copies of their inputs and
+# inductor recomputes the elementwise work around them, so a layer saves this fraction of what the compiled bf16 layer
+# without liger is counted at. Fitted to one H200 measurement (Llama-3.2-1B full, batch 16 x 2048: 34.5 GiB); batch 8
+# (21.5 GiB) and Llama-3.2-3B at batch 4 with 4 accumulation steps (39.8 GiB) are the checks (docs/benchmarks.md).
+COMPILED_FP8_SAVED_FRACTION = 0.475
 
 
 def layer_activation_bytes_per_token(a: Architecture, s: Setup) -> float:
@@ -344,6 +353,8 @@ def layer_activation_bytes_per_token(a: Architecture, s: Setup) -> float:
                                               for in_features, _ in lora_expert_targets(a, s).values())
     if s.attn_implementation == "eager":
         attention += 2 * a.heads * s.max_length * 2  # softmax probabilities (and their bf16 copy), per query
+    if s.fp8 and not a.is_moe:
+        return (attention + 8 * i) * COMPILED_FP8_SAVED_FRACTION + lora
     return attention + mlp + lora
 
 
@@ -526,6 +537,10 @@ def estimate(a: Architecture, s: Setup, technique: str, world: int) -> Estimate:
     start = acts["saved"] + loss_buffer_bytes(a, s, lm_head_trainable=sizes.full)
     if s.gradient_checkpointing:
         start = max(start, acts["saved"] + acts["recompute"] + acts["backward_transient"])
+    if s.gradient_accumulation_steps > 1 and not deepspeed:
+        # The gradients of the earlier micro-batches are held through this one's forward and backward (DeepSpeed
+        # accumulates into its fp32 partition, already counted).
+        start += grads
     end = grads + acts["recompute"] + acts["backward_transient"]
     parts["activations_and_grads"] = max(start, end)
     allocated = sum(parts.values())
