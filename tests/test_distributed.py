@@ -320,6 +320,20 @@ def test_lora_saves_the_single_process_adapter(runs, config):
     weight_difference = max_relative_difference(adapter, expected)
     print(f"\n[{config} LoRA] max relative difference: losses {loss_difference:.1e}, adapter {weight_difference:.1e}")
     assert weight_difference <= WEIGHT_RTOL
+    # what `finetune chat | generate | eval` load: the same answer as the single-process adapter, not the base model's
+    trained = held_out_loss(run.output_dir)
+    assert trained == pytest.approx(held_out_loss(reference.output_dir), rel=1e-3)
+    base = json.loads((run.output_dir / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert trained != pytest.approx(held_out_loss(base), rel=1e-3)
+
+
+def held_out_loss(output_dir: Path | str) -> float:
+    """A model or adapter folder as `finetune chat | generate | eval` load it, scored on two held-out sample rows."""
+    from finetune import inference
+
+    model, tokenizer = inference.load_trained(str(output_dir))
+    rows = [json.loads(line)["messages"] for line in (ROOT / "data/sample/test.jsonl").read_text().splitlines()[:2]]
+    return inference.assistant_loss(model, tokenizer, rows)
 
 
 def test_expert_lora_resumes_from_its_checkpoint_to_the_uninterrupted_result(runs):
