@@ -30,7 +30,7 @@ LLAMA_3_2_TRAINING_TEMPLATE = Path(__file__).parent / "chat_templates" / "llama3
 def resolve_model_path(run: RunConfig) -> str:
     """The folder or hub id to load: the recipe's model, or its tiny stand-in under --tiny."""
     name = run.model.model_name_or_path
-    return str(tiny.tiny_model_folder(model_family(name))) if run.finetune.tiny else name
+    return str(tiny.tiny_model_folder(model_family(name), run.finetune.tiny_width)) if run.finetune.tiny else name
 
 
 def load_tokenizer(model_path: str, assistant_only_loss: bool):

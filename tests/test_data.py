@@ -51,7 +51,7 @@ def test_csv_file_of_text_rows_loads(tmp_path):
 
 def test_folder_with_train_and_test_files_gives_both_splits():
     train, evaluation = load(str(ROOT / "data" / "sample"), eval_strategy="steps")
-    assert (len(train), len(evaluation)) == (400, 40)
+    assert (len(train), len(evaluation)) == (400, 42)
 
 
 def test_eval_without_a_test_split_is_carved_from_train(tmp_path):
