@@ -221,7 +221,8 @@ def save_loss_plot(log_history: list[dict], path: Path) -> None:
             axes.plot(*zip(*points), marker="o" if key == "eval_loss" else None, label=label)
     axes.set_xlabel("step")
     axes.set_ylabel("loss")
-    axes.legend()
+    if axes.lines:  # a run shorter than logging_steps logged no loss
+        axes.legend()
     figure.tight_layout()
     figure.savefig(path)
 
