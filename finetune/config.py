@@ -18,7 +18,6 @@ from trl import ModelConfig, ScriptArguments, SFTConfig, TrlParser
 
 from finetune import cpu, fp8, tracking
 from finetune.architectures import model_family
-from finetune.tiny import TINY_WIDTH
 from finetune.config_files import (
     accelerate_config_file,
     read_deepspeed_config,
@@ -27,6 +26,7 @@ from finetune.config_files import (
     shipped,
 )
 from finetune.errors import UserError
+from finetune.tiny import TINY_WIDTH
 
 RUN_RECORD = "finetune_run.json"
 SAMPLE_DATA = shipped("data/sample")

@@ -77,9 +77,9 @@ def tiny_config(family: str, tokenizer: PreTrainedTokenizerFast, width: int = TI
     config = load_architecture(architecture)
     for key, value in scaled_down.items():
         setattr(config, key, value)
-    if width != TINY_WIDTH:
+    if width != scaled_down["hidden_size"]:
         config.hidden_size = width
-        config.intermediate_size = scaled_down["intermediate_size"] * width // TINY_WIDTH
+        config.intermediate_size = scaled_down["intermediate_size"] * width // scaled_down["hidden_size"]
         config.head_dim = width // scaled_down["num_attention_heads"]
     config.vocab_size = len(tokenizer)
     config.bos_token_id, config.eos_token_id, config.pad_token_id = (
