@@ -109,6 +109,13 @@ def gpu_cases() -> list[Case]:
                     functorch_config={"activation_memory_budget": 0.8}, extra=True),
             Variant("finetune_budget06", "recipe, compiled layers saving at most 0.6 of their activations",
                     "llama-3.2-3b/lora.yaml", functorch_config={"activation_memory_budget": 0.6}, extra=True),
+            Variant("finetune_fp8", "recipe + fp8 (frozen base layers in float8)", "llama-3.2-3b/lora.yaml",
+                    ["--fp8", "true"], extra=True),
+            Variant("finetune_fp8_budget", "recipe + fp8, compiled layers saving at most 0.8 of their activations",
+                    "llama-3.2-3b/lora.yaml", ["--fp8", "true"], functorch_config={"activation_memory_budget": 0.8},
+                    extra=True),
+            Variant("finetune_fp8_offload", "recipe + fp8 + checkpointing + activation offloading",
+                    "llama-3.2-3b/lora.yaml", ["--fp8", "true", *OFFLOADED], extra=True),
         ], target=">= 31.5k tok/s within 42 GiB; offloaded checkpoints >= 24k within 8.5 GiB (Unsloth: 22.7k, "
                   f"8.3 GiB); runs in {SMALL_CARD_GIB} GiB"),
         Case("llama3b_lora_chat", "Llama-3.2-3B LoRA, chat rows 50-1,950 tokens (real tok/s)", "llama-3.2-3b", "lora",
@@ -158,6 +165,8 @@ def gpu_cases() -> list[Case]:
                     FP8),
             Variant("finetune_fast", "recipe, batch 8", "llama-3.2-3b/full.yaml",
                     ["--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "2"], extra=True),
+            Variant("finetune_fp8_b8", "recipe + fp8, batch 8", "llama-3.2-3b/full.yaml",
+                    [*FP8, "--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "2"], extra=True),
         ], target=">= 25k tok/s; fp8 >= 31k"),
         Case("llama1b_32k", "Llama-3.2-1B full, 32k sequence", "llama-3.2-1b", "full", "fixed", 32768, [
             Variant("plain_default", "TRL defaults (checkpointing), batch 1",

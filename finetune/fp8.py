@@ -3,6 +3,10 @@
 LM head, the embeddings and the norms stay in bf16. The weights themselves stay bf16 parameters (only the matmuls'
 operands are cast, each step), so the optimizer, checkpoints and the saved model are those of a bf16 run.
 
+With LoRA the frozen base layers compute in float8 and the adapters in bf16 (peft wraps the Float8Linear like any
+linear layer). Float8Linear's backward computes a weight gradient even for a frozen weight, but compiled (which `fp8`
+requires) the unused gradient's matmul is dropped from the backward graph. QLoRA's 4-bit layers are not converted.
+
 The switch is a recipe key rather than accelerate's own FP8 path (`mixed_precision: fp8` with torchao as backend):
 that path lives in the accelerate config file, so FP8 would need one file per strategy, and the Trainer overrides it
 with `mixed_precision=bf16` whenever the recipe says `bf16: true`; on a GPU without float8 it falls back to fp16 with
@@ -36,10 +40,9 @@ def check(run, source: str) -> None:
     """Refuse `fp8: true` where it cannot run or would not pay, before any model is loaded."""
     if not run.finetune.fp8:
         return
-    if run.model.use_peft:
-        # Float8Linear's backward computes the weight gradient even for a frozen weight: LoRA would pay for it.
-        raise UserError(f"{source}: `fp8: true` is for full fine-tuning, not LoRA (`use_peft: true`); "
-                        f"remove one of the two.")
+    if run.model.load_in_4bit or run.model.load_in_8bit:
+        raise UserError(f"{source}: `fp8: true` cannot train quantized base weights (`load_in_4bit`/`load_in_8bit`, "
+                        f"QLoRA); remove one of the two.")
     strategy = requested_strategy()
     if strategy.startswith("zero"):
         raise UserError(f"{accelerate_config_file()}: `fp8: true` trains under DDP or FSDP2, not DeepSpeed; launch "

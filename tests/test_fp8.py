@@ -1,4 +1,4 @@
-"""`fp8: true`: refused where it cannot run (no float8 GPU, no torchao, LoRA, DeepSpeed, not compiled) before any model
+"""`fp8: true`: refused where it cannot run (no float8 GPU, no torchao, QLoRA, DeepSpeed, not compiled) before any model
 loads; where it runs, exactly the decoder layers' linear layers train in float8 and the saved model is plain bf16.
 
 The CPU has no float8 tensor cores, so the refusals that need an FP8 GPU pretend one; the training test runs the real
@@ -19,6 +19,7 @@ from tests.helpers import ROOT, run_sft_in_process
 
 FULL = ROOT / "recipes" / "llama-3.2-1b" / "full.yaml"
 LORA = ROOT / "recipes" / "llama-3.2-1b" / "lora.yaml"
+QLORA = ROOT / "recipes" / "llama-3.2-3b" / "qlora.yaml"
 TINY_LLAMA_LINEARS = {f"model.layers.{layer}.{projection}" for layer in range(2) for projection in (
     "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
     "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
@@ -53,7 +54,7 @@ def test_only_gpus_with_float8_tensor_cores_pass_the_hardware_check(gpu, capabil
 
 
 @pytest.mark.parametrize("name, extra, environment, expected", [
-    ("LoRA", ["--config", str(LORA)], {}, ["full fine-tuning, not LoRA (`use_peft: true`)"]),
+    ("QLoRA", ["--config", str(QLORA)], {}, ["cannot train quantized base weights", "QLoRA"]),
     ("DeepSpeed", [], {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"},
      ["not DeepSpeed", "accelerate_configs/ddp.yaml or fsdp.yaml"]),
     ("not compiled", [], {}, ["without `torch_compile: true`", "add `torch_compile: true`"]),
@@ -121,6 +122,57 @@ def test_fp8_trains_exactly_the_decoder_linears_in_float8_and_saves_a_plain_bf16
     assert not any(isinstance(module, float8_linear.Float8Linear) for module in reloaded.modules())
     trained = dict(trainer.model.named_parameters())
     assert all(torch.equal(parameter, trained[name]) for name, parameter in reloaded.named_parameters())
+
+
+def test_fp8_lora_computes_the_frozen_base_in_float8_and_trains_only_the_bf16_adapters(tmp_path):
+    float8_linear = pytest.importorskip("torchao.float8.float8_linear", reason='needs `pip install -e ".[fp8]"`')
+    from finetune import config, data, model, train
+
+    run = config.parse_args(["--config", str(LORA), "--tiny", "--fp8", "true", "--output_dir", str(tmp_path / "out"),
+                             "--max_steps", "2", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps",
+                             "1", "--max_length", "64", "--eval_strategy", "no", "--save_strategy", "no",
+                             "--logging_steps", "1", "--report_to", "none", "--eval_samples_before_after", "0"])
+    path = model.resolve_model_path(run)
+    tokenizer = model.load_tokenizer(path, run.training.assistant_only_loss)
+    train_set, _ = data.load_datasets(run.script, run.training, None, run.finetune, tokenizer=tokenizer)
+    trainer = train.build_trainer(run, model.load_model(run, path), tokenizer, train_set.select(range(8)), None)
+    before = {name: parameter.detach().clone() for name, parameter in trainer.model.named_parameters()}
+    trainer.train()
+
+    modules = dict(trainer.model.named_modules())
+    bases = {name.removesuffix(".base_layer") for name, module in modules.items()
+             if isinstance(module, float8_linear.Float8Linear)}
+    assert {name.removeprefix("base_model.model.") for name in bases} == TINY_LLAMA_LINEARS
+    adapters = [module for name in bases for module in (modules[f"{name}.lora_A.default"], modules[f"{name}.lora_B.default"])]
+    assert all(type(adapter) is torch.nn.Linear for adapter in adapters)
+    changed = {name for name, parameter in trainer.model.named_parameters() if not torch.equal(parameter, before[name])}
+    assert changed and all("lora_" in name for name in changed), sorted(changed)
+
+
+def test_compiled_float8_backward_skips_the_frozen_base_weight_gradient():
+    """Why `fp8` pays with LoRA: Float8Linear's backward computes a weight gradient whatever the weight, but compiled,
+    the frozen weight's float8 matmul is dead code; only the input gradient's remains."""
+    pytest.importorskip("torchao.float8", reason='needs `pip install -e ".[fp8]"`')
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    float8_matmuls = {}
+
+    def count(kind):
+        def compiler(graph, _):
+            float8_matmuls[kind] = sum(node.target == torch.ops.aten._scaled_mm.default for node in graph.graph.nodes)
+            return make_boxed_func(graph)
+        return compiler
+
+    layers = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False), torch.nn.Linear(64, 64, bias=False))
+    convert_to_float8_training(layers.to(torch.bfloat16), config=Float8LinearConfig.from_recipe_name(fp8.SCALING))
+    layers.requires_grad_(False)
+    layers[0].weight.requires_grad_(True)  # a trained weight: its float8 weight-gradient matmul must stay
+    compiled = torch.compile(layers, backend=aot_autograd(fw_compiler=count("forward"), bw_compiler=count("backward")))
+    compiled(torch.randn(32, 64, dtype=torch.bfloat16)).float().sum().backward()
+    # backward: layer 1's input gradient, layer 0's weight gradient; not layer 1's frozen weight's, not layer 0's input's
+    assert float8_matmuls == {"forward": 2, "backward": 2}
 
 
 def test_fp8_parity_passes_within_one_percent_of_the_bf16_final_loss_and_fails_beyond(tmp_path):
