@@ -116,6 +116,9 @@ def gpu_cases() -> list[Case]:
                     extra=True),
             Variant("finetune_fp8_offload", "recipe + fp8 + checkpointing + activation offloading",
                     "llama-3.2-3b/lora.yaml", ["--fp8", "true", *OFFLOADED], extra=True),
+            Variant("finetune_fp8_offload_budget", "recipe + fp8 + offloaded checkpoints, recomputed layers saving at "
+                    "most 0.5 of their activations", "llama-3.2-3b/lora.yaml", ["--fp8", "true", *OFFLOADED],
+                    functorch_config={"activation_memory_budget": 0.5}, extra=True),
         ], target=">= 31.5k tok/s within 42 GiB; offloaded checkpoints >= 24k within 8.5 GiB (Unsloth: 22.7k, "
                   f"8.3 GiB); runs in {SMALL_CARD_GIB} GiB"),
         Case("llama3b_lora_chat", "Llama-3.2-3B LoRA, chat rows 50-1,950 tokens (real tok/s)", "llama-3.2-3b", "lora",
@@ -206,15 +209,17 @@ def tiny_case(case: Case, warmup: int = 1, timed: int = 2) -> Case:
     return case
 
 
-def fp8_parity_case(steps: int, seq: int, batch: int, learning_rate: float) -> Case:
-    """Llama-3.2-1B trained by its full recipe as shipped (bf16) and with the FP8 flags, from the same random weights
-    on the same Markov-chain rows in the same order, one micro-batch per step; only the learning rate is raised, as
-    the weights start random rather than pretrained."""
+def fp8_parity_case(steps: int, seq: int, batch: int, learning_rate: float, method: str = "full") -> Case:
+    """Llama-3.2-1B trained by its `method` recipe (full or lora) as shipped (bf16) and with the FP8 flags, from the
+    same random weights on the same Markov-chain rows in the same order, one micro-batch per step; only the learning
+    rate is raised, as the weights start random rather than pretrained."""
     flags = ["--per_device_train_batch_size", str(batch), "--gradient_accumulation_steps", "1",
              "--learning_rate", str(learning_rate)]
-    return Case("fp8_parity", "Llama-3.2-1B full, bf16 recipe vs fp8, same weights and rows", "llama-3.2-1b", "full",
-                "markov", seq, [Variant("bf16", "recipe as shipped", "llama-3.2-1b/full.yaml", flags),
-                                Variant("fp8", "recipe + fp8", "llama-3.2-1b/full.yaml", flags + FP8)],
+    recipe = f"llama-3.2-1b/{method}.yaml"
+    title = {"full": "Llama-3.2-1B full", "lora": "Llama-3.2-1B LoRA"}[method]
+    return Case("fp8_parity", f"{title}, bf16 recipe vs fp8, same weights and rows", "llama-3.2-1b", method,
+                "markov", seq, [Variant("bf16", "recipe as shipped", recipe, flags),
+                                Variant("fp8", "recipe + fp8", recipe, flags + FP8)],
                 warmup=2, timed=steps - 2)
 
 

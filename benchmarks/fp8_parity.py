@@ -86,6 +86,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--batch", type=int, default=8, help="rows per step (one micro-batch)")
     parser.add_argument("--learning_rate", type=float, default=3e-4, help="peak of the recipe's cosine schedule")
     parser.add_argument("--budget", type=float, default=240, help="seconds for both runs; a run past it is stopped")
+    parser.add_argument("--method", choices=("full", "lora"), default="full",
+                        help="which Llama-3.2-1B recipe: full (the issue's parity run) or lora (fp8 on the frozen base)")
     parser.add_argument("--tiny", action="store_true", help="the tiny Llama on CPU, to check the script runs")
     args = parser.parse_args(argv)
     if args.plot:
@@ -97,7 +99,7 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     steps = args.steps or (6 if args.tiny else 200)
-    case = fp8_parity_case(steps, args.seq, args.batch, args.learning_rate)
+    case = fp8_parity_case(steps, args.seq, args.batch, args.learning_rate, args.method)
     if args.tiny:
         case = tiny_case(case, warmup=1, timed=steps - 1)
     device = "cpu" if args.tiny else "cuda"
