@@ -379,10 +379,9 @@ def run_variant(case: Case, variant: Variant, out_dir: Path, tiny: bool, layers:
     trainer.model.get_output_embeddings().register_forward_hook(lambda *_: head_calls.append(1))
     fpt = models.flops_per_token(trainer.model, config, case.method, case.seq)
     from torch._dynamo.utils import counters
-    from torch._functorch import config as functorch_config
 
     graphs_before = counters["stats"]["unique_graphs"]
-    with memory_capped(variant.memory_cap_gib, device), functorch_config.patch(variant.functorch_config):
+    with memory_capped(variant.memory_cap_gib, device):
         trainer.train()
     result["compiled_graphs"] = counters["stats"]["unique_graphs"] - graphs_before
     result["lm_head_calls"] = len(head_calls)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Literal
 
+from torch._functorch import config as functorch_config
 from trl import ModelConfig, ScriptArguments, SFTConfig, TrlParser
 
 from finetune import cpu, fp8, tracking
@@ -113,6 +114,14 @@ class FinetuneArguments:
         metadata={"help": "Train the linear layers in float8 (torchao, tensorwise scaling; with LoRA the frozen "
                           "base layers, the adapters staying bf16; LM head, embeddings and norms stay bf16) on GPUs with float8 tensor cores (L4, H100, H200); needs "
                           "torch_compile and `pip install -e \".[fp8]\"`. The saved model is plain bf16."},
+    )
+    activation_memory_budget: float = field(
+        default=1.0,
+        metadata={"help": "Compiled layers without gradient checkpointing: the most each saves for backward, as a "
+                          "fraction of what inductor saves by default; it recomputes the cheapest of the rest "
+                          "(torch._functorch.config.activation_memory_budget). Llama-3.2-3B LoRA on an H200 at 0.8: "
+                          "34.7 GiB instead of 49.0 at the same speed. Checkpointed layers keep only their inputs: "
+                          "there it is not applied."},
     )
     dequantize_mxfp4: bool = field(
         default=True,
@@ -270,12 +279,14 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
 
 
 def apply_to_process(run: RunConfig) -> None:
-    """The one step that changes the process for a run: the recipe's `env:` block, the MLflow run to continue, the CPU
-    process group (FSDP over gloo), and the access token moved out of the arguments the Trainer saves."""
+    """The one step that changes the process for a run: the recipe's `env:` block, regional compilation and inductor's
+    activation budget, the MLflow run to continue, the CPU process group (FSDP over gloo), and the access token moved
+    out of the arguments the Trainer saves."""
     os.environ.update(run.env)
     if run.training.torch_compile and not run.training.gradient_checkpointing:
         # accelerate compiles each decoder layer once and reuses it (see train.compile_per_layer)
         os.environ.setdefault("ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION", "true")
+        functorch_config.activation_memory_budget = run.finetune.activation_memory_budget
     tracking.prepare(run.training)
     if cpu.on_cpu():
         cpu.prepare_cpu_process_group()
@@ -326,6 +337,9 @@ def check(run: RunConfig) -> None:
             f"{source}: `{lora_keys[0]}` is set but `use_peft` is false, so it would be ignored; "
             f"add `use_peft: true` or drop the LoRA settings."
         )
+    if not 0 < run.finetune.activation_memory_budget <= 1:
+        raise UserError(f"{source}: `activation_memory_budget: {run.finetune.activation_memory_budget}` is the fraction "
+                        f"of a compiled layer's activations it may keep; give a value above 0 and at most 1.")
     if run.training.activation_offloading and cpu.on_cpu():  # a recipe's value is already off (cpu.cpu_overrides)
         raise UserError("command line: `--activation_offloading true` moves activations out of GPU memory and this "
                         "machine has no GPU; drop the flag here.")

@@ -188,6 +188,7 @@ class Setup:
     attn_implementation: str = "sdpa"
     torch_compile: bool = False
     fp8: bool = False  # finetune/fp8.py: the decoder's linear layers in float8, compiled
+    activation_memory_budget: float = 1.0  # inductor's cap on what a compiled layer saves (1: what it saves by default)
     expert_lora_kernel: str = "grouped"  # grouped | peft (finetune/expert_lora.py)
 
     @property
@@ -234,6 +235,7 @@ def setup_from_recipe(values: dict) -> Setup:
         attn_implementation=str(values.get("attn_implementation") or "sdpa"),
         torch_compile=_as_bool(values.get("torch_compile", False)),
         fp8=_as_bool(values.get("fp8", False)),
+        activation_memory_budget=float(values.get("activation_memory_budget") or 1.0),
         expert_lora_kernel=str(values.get("expert_lora_kernel") or "grouped"),
     )
 
@@ -314,6 +316,8 @@ COMPILED_EXPERT_SAVED_FRACTION = 0.18
 # inductor recomputes the elementwise work around them, so a layer saves this fraction of what the compiled bf16 layer
 # without liger is counted at. Fitted to one H200 measurement (Llama-3.2-1B full, batch 16 x 2048: 34.5 GiB); batch 8
 # (21.5 GiB) and Llama-3.2-3B at batch 4 with 4 accumulation steps (39.8 GiB) are the checks (docs/benchmarks.md).
+# Full fine-tuning only: the float8 copies replace inputs kept for weight gradients, which LoRA's frozen base layers
+# never keep (Llama-3.2-3B LoRA at 8 x 2048 peaked at 48.7 GiB in fp8, 49.0 in bf16).
 COMPILED_FP8_SAVED_FRACTION = 0.475
 
 
@@ -353,7 +357,7 @@ def layer_activation_bytes_per_token(a: Architecture, s: Setup) -> float:
                                               for in_features, _ in lora_expert_targets(a, s).values())
     if s.attn_implementation == "eager":
         attention += 2 * a.heads * s.max_length * 2  # softmax probabilities (and their bf16 copy), per query
-    if s.fp8 and not a.is_moe:
+    if s.fp8 and not a.is_moe and s.method == "full":
         return (attention + 8 * i) * COMPILED_FP8_SAVED_FRACTION + lora
     return attention + mlp + lora
 
@@ -380,6 +384,11 @@ def activation_bytes(a: Architecture, s: Setup) -> dict[str, float]:
         offloaded = inputs - min(a.layers, OFFLOAD_STASH_TENSORS) * layer_input if s.activation_offloading else 0.0
         saved, recompute = inputs - offloaded + outside, per_layer
     else:
+        # `activation_memory_budget` below 1 lets inductor save at most that fraction of a compiled layer's default
+        # (it recomputes the cheapest of the rest in backward); counted at the cap. Llama-3.2-3B LoRA at 8 x 2048 on
+        # the H200: 0.8 measured 34.7 GiB (bf16) and 34.4 (fp8) against 49.0 at 1, 0.6 measured 32.0.
+        if s.torch_compile:
+            per_layer *= s.activation_memory_budget
         # Offloaded without checkpointing, every layer's activations go to the CPU and come back one layer at a time.
         inputs, recompute = 0.0, 0.0
         offloaded = (a.layers - 1) * per_layer if s.activation_offloading else 0.0

@@ -107,6 +107,8 @@ BAD_INPUTS = [
      ["nope.yaml", "not found", "--config"]),
     ("broken recipe YAML", lambda tmp: ["--config", str(write(tmp / "broken.yaml", "model_name_or_path: [a, b\n"))],
      ["broken.yaml", "not valid YAML", "line"]),
+    ("activation budget above 1", lambda tmp: ["--config", str(FULL), "--tiny", "--activation_memory_budget", "1.5"],
+     ["full.yaml", "`activation_memory_budget: 1.5`", "at most 1"]),
     ("unknown command-line flag", lambda tmp: ["--config", str(FULL), "--tiny", "--learning_rat", "1"],
      ["command line", "--learning_rat", "spelling"]),
     ("missing dataset file", lambda tmp: ["--config", str(FULL), "--tiny", "--dataset_name", str(tmp / "gone.jsonl")],
