@@ -6,7 +6,7 @@ operands are cast, each step), so the optimizer, checkpoints and the saved model
 With LoRA the frozen base layers compute in float8 and the adapters in bf16 (peft wraps the Float8Linear like any
 linear layer). Float8Linear's backward computes a weight gradient even for a frozen weight, but compiled (which `fp8`
 requires) the unused gradient's matmul is dropped from the backward graph. QLoRA is refused: its 4-bit layers
-subclass nn.Linear, and the conversion would replace them with bf16-shaped float8 layers.
+subclass nn.Linear, and the conversion would swap them for float8 layers that cannot read packed 4-bit weights.
 
 The switch is a recipe key rather than accelerate's own FP8 path (`mixed_precision: fp8` with torchao as backend):
 that path lives in the accelerate config file, so FP8 would need one file per strategy, and the Trainer overrides it
