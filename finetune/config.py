@@ -112,8 +112,9 @@ class FinetuneArguments:
     fp8: bool = field(
         default=False,
         metadata={"help": "Train the linear layers in float8 (torchao, tensorwise scaling; with LoRA the frozen "
-                          "base layers, the adapters staying bf16; LM head, embeddings and norms stay bf16) on GPUs with float8 tensor cores (L4, H100, H200); needs "
-                          "torch_compile and `pip install -e \".[fp8]\"`. The saved model is plain bf16."},
+                          "base layers, the adapters staying bf16; LM head, embeddings and norms stay bf16) on GPUs "
+                          "with float8 tensor cores (L4, H100, H200); needs torch_compile and "
+                          "`pip install -e \".[fp8]\"`. The saved model is plain bf16."},
     )
     activation_memory_budget: float = field(
         default=1.0,
