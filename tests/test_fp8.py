@@ -86,24 +86,34 @@ def test_fp8_without_torchao_names_the_extra_to_install(monkeypatch):
                                   f'with `pip install -e ".[fp8]"` or remove `fp8: true`.')
 
 
-def test_fp8_trains_exactly_the_decoder_linears_in_float8_and_saves_a_plain_bf16_model(tmp_path):
-    """The real path after the check: recipe parsed, tiny Llama loaded in bf16, FinetuneTrainer built (which converts),
-    two optimizer steps, the model saved as TRL saves it."""
-    float8_linear = pytest.importorskip("torchao.float8.float8_linear", reason='needs `pip install -e ".[fp8]"`')
+TWO_STEPS = ["--max_steps", "2", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "1",
+             "--max_length", "64", "--eval_strategy", "no", "--save_strategy", "no", "--logging_steps", "1",
+             "--report_to", "none", "--eval_samples_before_after", "0"]
+
+
+def fp8_trainer(recipe, output_dir, *flags: str, vocabulary_padded: bool = False):
+    """The real path after the check: the recipe parsed with `fp8: true`, its tiny Llama loaded, the FinetuneTrainer
+    built (which converts) on 8 sample rows. Returns the run, the tiny model's folder and the trainer."""
     from finetune import config, data, model, train
 
-    output_dir = tmp_path / "out"
-    run = config.parse_args(["--config", str(FULL), "--tiny", "--fp8", "true", "--dtype", "bfloat16",
-                             "--output_dir", str(output_dir), "--max_steps", "2", "--per_device_train_batch_size", "2",
-                             "--gradient_accumulation_steps", "1", "--max_length", "64", "--eval_strategy", "no",
-                             "--save_strategy", "no", "--logging_steps", "1", "--report_to", "none",
-                             "--eval_samples_before_after", "0"])
+    run = config.parse_args(["--config", str(recipe), "--tiny", "--fp8", "true", *flags, "--output_dir", str(output_dir),
+                             *TWO_STEPS])
     path = model.resolve_model_path(run)
     tokenizer = model.load_tokenizer(path, run.training.assistant_only_loss)
     train_set, _ = data.load_datasets(run.script, run.training, None, run.finetune, tokenizer=tokenizer)
     llama = model.load_model(run, path)
-    llama.resize_token_embeddings(pad_to_multiple_of=16)  # as Llama 3.2's 128,256: the LM head's sizes suit float8 too
-    trainer = train.build_trainer(run, llama, tokenizer, train_set.select(range(8)), None)
+    if vocabulary_padded:
+        llama.resize_token_embeddings(pad_to_multiple_of=16)  # as Llama 3.2's 128,256: LM head sizes suit float8 too
+    return run, path, train.build_trainer(run, llama, tokenizer, train_set.select(range(8)), None)
+
+
+def test_fp8_trains_exactly_the_decoder_linears_in_float8_and_saves_a_plain_bf16_model(tmp_path):
+    """Tiny Llama loaded in bf16, converted by the trainer, two optimizer steps, the model saved as TRL saves it."""
+    float8_linear = pytest.importorskip("torchao.float8.float8_linear", reason='needs `pip install -e ".[fp8]"`')
+    from finetune import model
+
+    output_dir = tmp_path / "out"
+    run, path, trainer = fp8_trainer(FULL, output_dir, "--dtype", "bfloat16", vocabulary_padded=True)
 
     in_float8 = {name for name, module in trainer.model.named_modules() if isinstance(module, float8_linear.Float8Linear)}
     assert in_float8 == TINY_LLAMA_LINEARS
@@ -126,16 +136,7 @@ def test_fp8_trains_exactly_the_decoder_linears_in_float8_and_saves_a_plain_bf16
 
 def test_fp8_lora_computes_the_frozen_base_in_float8_and_trains_only_the_bf16_adapters(tmp_path):
     float8_linear = pytest.importorskip("torchao.float8.float8_linear", reason='needs `pip install -e ".[fp8]"`')
-    from finetune import config, data, model, train
-
-    run = config.parse_args(["--config", str(LORA), "--tiny", "--fp8", "true", "--output_dir", str(tmp_path / "out"),
-                             "--max_steps", "2", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps",
-                             "1", "--max_length", "64", "--eval_strategy", "no", "--save_strategy", "no",
-                             "--logging_steps", "1", "--report_to", "none", "--eval_samples_before_after", "0"])
-    path = model.resolve_model_path(run)
-    tokenizer = model.load_tokenizer(path, run.training.assistant_only_loss)
-    train_set, _ = data.load_datasets(run.script, run.training, None, run.finetune, tokenizer=tokenizer)
-    trainer = train.build_trainer(run, model.load_model(run, path), tokenizer, train_set.select(range(8)), None)
+    _, _, trainer = fp8_trainer(LORA, tmp_path / "out")
     before = {name: parameter.detach().clone() for name, parameter in trainer.model.named_parameters()}
     trainer.train()
 
