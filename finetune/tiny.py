@@ -48,25 +48,24 @@ def build_tiny_tokenizer(family: str) -> PreTrainedTokenizerFast:
     )
 
 
+TINY_WIDTH = 64  # every family's hidden size below: the tests' width; --tiny_width scales a family from it
+
 # Scaled-down copies of the real configs: the same attention layout (GQA; GPT-OSS's sinks and alternating sliding
 # and full layers), the same kind of MLP (GPT-OSS: 4 experts, top-2 routing) and Llama's tied embeddings.
 _TINY_ARCHITECTURE = {
     "llama": (
         "llama-3.2-1b",
-        {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        {"hidden_size": TINY_WIDTH, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "head_dim": 16},
     ),
     "gpt-oss": (
         "gpt-oss-20b",
-        {"hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+        {"hidden_size": TINY_WIDTH, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2,
          "experts_per_token": 2, "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 16},
     ),
 }
 TINY_MODEL_SEED = 0
-
-
-TINY_WIDTH = 64
 
 
 def tiny_config(family: str, tokenizer: PreTrainedTokenizerFast, width: int = TINY_WIDTH):
