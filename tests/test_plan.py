@@ -331,6 +331,13 @@ def test_expert_lora_saves_the_merged_expert_weights_only_on_peft_s_path():
         .expert_lora_kernel == "peft"
 
 
+def planned_on_one_gpu_gib(recipe: str, overrides: dict) -> float:
+    """The planner's allocated peak for recipes/<recipe> at the benchmark's 2,048 tokens per row, one GPU, DDP."""
+    values = read_recipe(ROOT / "recipes" / recipe, {"max_length": 2048} | overrides)
+    return P.estimate(P.architecture_of(values["model_name_or_path"]), P.setup_from_recipe(values), "ddp", 1) \
+        .allocated / GIB
+
+
 def test_activation_budget_and_fp8_lora_plans_are_within_15_percent_of_the_h200():
     """docs/results/bench-2026-12-03-h200-issue16-lease2-{a,b,c}.json: Llama-3.2-3B LoRA at 8 x 2048, compiled, with
     inductor's activation budget at 1, 0.8 (the recipe's) and 0.6, with and without fp8 (LoRA's frozen layers keep no
@@ -343,9 +350,7 @@ def test_activation_budget_and_fp8_lora_plans_are_within_15_percent_of_the_h200(
         ({"fp8": True}, 34.4),
         ({"fp8": True, "gradient_checkpointing": True, "activation_offloading": True}, 9.4),
     ):
-        values = read_recipe(ROOT / "recipes" / "llama-3.2-3b" / "lora.yaml", {"max_length": 2048} | overrides)
-        a = P.architecture_of(values["model_name_or_path"])
-        planned = P.estimate(a, P.setup_from_recipe(values), "ddp", 1).allocated / GIB
+        planned = planned_on_one_gpu_gib("llama-3.2-3b/lora.yaml", overrides)
         assert planned == pytest.approx(measured_gib, rel=0.15), (overrides, planned)
 
 
@@ -361,7 +366,5 @@ def test_fp8_and_gradient_accumulation_plans_are_within_5_percent_of_the_h200():
         ("llama-3.2-1b/full.yaml", {}, 29.8),
         ("llama-3.2-1b/full.yaml", {"gradient_accumulation_steps": 1}, 27.5),
     ):
-        values = read_recipe(ROOT / "recipes" / recipe, {"max_length": 2048} | overrides)
-        a = P.architecture_of(values["model_name_or_path"])
-        planned = P.estimate(a, P.setup_from_recipe(values), "ddp", 1).allocated / GIB
+        planned = planned_on_one_gpu_gib(recipe, overrides)
         assert planned == pytest.approx(measured_gib, rel=0.05), (recipe, overrides, planned)
