@@ -431,7 +431,7 @@ def numerics_check(out_dir: Path, tiny: bool, steps: int = 20) -> dict:
     from trl import SFTConfig, SFTTrainer
 
     from finetune import tiny as tiny_models
-    from finetune.train import compile_per_layer
+    from finetune.compilation import compile_per_layer
 
     device = "cpu" if tiny else "cuda"
     tokenizer = tiny_models.build_tiny_tokenizer("llama")

@@ -46,6 +46,7 @@ def varlen_attention(query, key, value, cu_seq_lens, max_length: int, scaling: f
     return (out[0] if isinstance(out, tuple) else out).unsqueeze(0)
 
 
+@torch.compiler.disable  # its loop runs once per document: compiled, every new document count would be a new graph
 def block_diagonal_attention(query, key, value, cu_seq_lens, scaling: float | None) -> torch.Tensor:
     """The same result as `varlen_attention`, one causal sdpa call per document: the portable path (CPU, tiny
     models) and the reference the kernel is checked against. Tokens after the last document attend to themselves."""
@@ -81,7 +82,7 @@ def varlen_attention_forward(module, query, key, value, attention_mask, dropout=
         return sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling)
     documents = cu_seq_lens.shape[0] - 1
     max_length = kwargs.get("max_length_q")
-    if not isinstance(max_length, int):  # TRL passes a Python int (symbolic under torch.compile); this syncs
+    if not isinstance(max_length, (int, torch.SymInt)):  # TRL passes it (symbolic when compiled); this syncs
         max_length = int(cu_seq_lens.diff().max())
     if documents * max_length == query.shape[2]:
         return equal_documents_attention(module, query, key, value, documents, dropout, scaling)

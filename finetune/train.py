@@ -8,12 +8,11 @@ import os
 import sys
 from pathlib import Path
 
-import torch
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel, TrainerCallback
 from trl import SFTTrainer
 
-from finetune import checkpoints, expert_lora, fp8, inference, make_callable, patches, tracking
+from finetune import checkpoints, compilation, expert_lora, fp8, inference, make_callable, patches, speed, tracking
 from finetune import model as model_loading
 from finetune.config import RUN_RECORD, RunConfig, run_identity
 from finetune.config_files import accelerate_config_file, requested_strategy
@@ -91,41 +90,6 @@ class SetupCheck(TrainerCallback):
             )
 
 
-def compile_per_layer(training) -> list[TrainerCallback]:
-    """With torch_compile, each decoder layer is compiled once and the compiled code reused for every layer (not the
-    whole model: minutes less compiling, LM head and loss stay as TRL wrote them). Without activation checkpointing
-    accelerate does it (regional compilation; an accelerate config's dynamo_config still decides). With checkpointing
-    the compiler must go inside each layer's checkpoint instead: compiled around it, one graph break in the layer
-    (GPT-OSS has some) makes dynamo run the whole checkpointed layer eagerly (pytorch#139989; GPT-OSS-20B on an
-    H200: 9.5k tok/s instead of 17.8k). Then the Trainer compiles nothing and the returned callback does it.
-    Call before the trainer is built, and give it the returned callbacks: its accelerator reads the arguments then."""
-    if not training.torch_compile:
-        return []
-    if not training.gradient_checkpointing:
-        return []  # config.apply_to_process asked accelerate for regional compilation
-    inside = CompileInsideCheckpoints(training.torch_compile_backend, training.torch_compile_mode,
-                                      offloading=training.activation_offloading)
-    training.torch_compile, training.torch_compile_backend, training.torch_compile_mode = False, None, None
-    return [inside]
-
-
-def _call(function, *args):
-    return function(*args)
-
-
-class CompileInsideCheckpoints(TrainerCallback):
-    """Once the Trainer has switched checkpointing on, every checkpointed layer runs checkpoint(compiled(layer))
-    (finetune/patches.py: compile_inside_checkpoints); with `offloading`, TRL's activation offloading moves only
-    the checkpoints' inputs to the CPU, not the layers recomputed in backward."""
-
-    def __init__(self, backend: str | None, mode: str | None, offloading: bool = False):
-        self.compiled_call = torch.compile(_call, backend=backend or "inductor", mode=mode)
-        self.offloading = offloading
-
-    def on_train_begin(self, args, state, control, model=None, **kwargs):
-        patches.compile_inside_checkpoints(model, self.compiled_call, self.offloading)
-
-
 class FinetuneTrainer(SFTTrainer):
     """TRL's SFTTrainer with preemption-safe checkpoints: complete-or-skipped saves and SIGTERM as a save
     (finetune/checkpoints.py)."""
@@ -143,6 +107,7 @@ class FinetuneTrainer(SFTTrainer):
 def build_trainer(run: RunConfig, model: PreTrainedModel, tokenizer, train_set, eval_set) -> SFTTrainer:
     model_loading.fix_generation_config(model, tokenizer)
     in_float8 = fp8.convert_linear_layers(model) if run.finetune.fp8 else []  # before accelerate wraps or compiles it
+    compiled = run.training.torch_compile
     trainer = FinetuneTrainer(
         model=model,
         args=run.training,
@@ -150,12 +115,14 @@ def build_trainer(run: RunConfig, model: PreTrainedModel, tokenizer, train_set, 
         eval_dataset=eval_set,
         processing_class=tokenizer,
         peft_config=model_loading.lora_config(run),
-        callbacks=compile_per_layer(run.training),
+        callbacks=compilation.compile_per_layer(run.training),
     )
+    compilation.one_graph_for_every_layer(trainer.model, compiled)
     expert_lora.use_kernel(trainer, run.finetune.expert_lora_kernel)
     if in_float8 and trainer.accelerator.is_main_process:
         print(f"[finetune] fp8: {len(in_float8)} linear layers train in float8 ({fp8.SCALING} scaling); the LM head, "
               f"embeddings and norms in {str(model.dtype).removeprefix('torch.')}", flush=True)
+    trainer.add_callback(speed.SpeedRecord(run.training.output_dir, trainer.accelerator.is_main_process))
     setup_check = SetupCheck(trainer, accelerate_config_file())
     trainer.add_callback(setup_check)
     if tracking.wanted(run.training):

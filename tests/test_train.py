@@ -86,7 +86,7 @@ def test_under_checkpointing_a_layer_with_a_graph_break_is_still_compiled_once_f
     from torch._dynamo.testing import CompileCounterWithBackend
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from finetune.train import CompileInsideCheckpoints
+    from finetune.compilation import CompileInsideCheckpoints
 
     shape = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 12, "num_attention_heads": 4,
              "num_key_value_heads": 2, "head_dim": 8, "vocab_size": 128}
@@ -161,7 +161,7 @@ def test_offloading_compiled_checkpoints_moves_only_layer_inputs_and_keeps_the_g
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from finetune import patches
-    from finetune.train import _call
+    from finetune.compilation import call
 
     layers, batch, seq, hidden = 4, 2, 24, 32
     config = AutoConfig.for_model("llama", hidden_size=hidden, intermediate_size=64, num_hidden_layers=layers,
@@ -169,7 +169,7 @@ def test_offloading_compiled_checkpoints_moves_only_layer_inputs_and_keeps_the_g
     ids = torch.randint(0, 128, (batch, seq), generator=torch.Generator().manual_seed(0))
 
     counter = CompileCounterWithBackend("aot_eager")
-    compiled_call = torch.compile(_call, backend=counter)  # as train.CompileInsideCheckpoints compiles it
+    compiled_call = torch.compile(call, backend=counter)  # as compilation.CompileInsideCheckpoints compiles it
 
     def train_step(offloading: bool, keep_recomputation: bool):
         torch.manual_seed(0)
