@@ -12,7 +12,8 @@ from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel, TrainerCallback
 from trl import SFTTrainer
 
-from finetune import checkpoints, compilation, expert_lora, fp8, inference, make_callable, patches, speed, tracking
+from finetune import (attention, checkpoints, compilation, expert_lora, fp8, inference, make_callable, patches, speed,
+                      tracking)
 from finetune import model as model_loading
 from finetune.config import RUN_RECORD, RunConfig, run_identity
 from finetune.config_files import accelerate_config_file, requested_strategy
@@ -118,6 +119,7 @@ def build_trainer(run: RunConfig, model: PreTrainedModel, tokenizer, train_set, 
         callbacks=compilation.compile_per_layer(run.training),
     )
     compilation.one_graph_for_every_layer(trainer.model, compiled)
+    attention.keep_packed_documents_apart(trainer.model)
     expert_lora.use_kernel(trainer, run.finetune.expert_lora_kernel)
     if in_float8 and trainer.accelerator.is_main_process:
         print(f"[finetune] fp8: {len(in_float8)} linear layers train in float8 ({fp8.SCALING} scaling); the LM head, "

@@ -1,0 +1,66 @@
+"""Compiled recipes compile each decoder layer once, whatever the lengths of the rows they meet: a recompilation per
+new length (or past torch's recompile limit, an eager layer) made GPT-OSS-20B's first optimizer step take 370 s on an
+H200. Each recipe trains its tiny model, compiled, through scripts/sft.py on rows of distinct lengths; the compiler's
+own count of the graphs it built (torch._dynamo's counters, written to finetune_speed.json) must stay at the
+recipe's constant. The backend is aot_eager: the graphs, guards and recompilations are dynamo's, whichever backend
+then turns them into code, and inductor's C++ build would take minutes on a CPU. About 15 s per recipe."""
+
+import json
+import os
+import random
+import runpy
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+from torch._functorch import config as functorch_config
+
+from tests.helpers import ROOT
+
+STEPS = 24
+WORDS = "red blue green cat dog tree hat sun moon star fish bird".split()
+
+
+def write_chat_rows(folder, count: int = 2 * STEPS + 8) -> None:
+    """Chat rows of 30 lengths (the tiny tokenizers spend about four tokens a word), nearly all longer than half of
+    max_length, so that a packing bin holds about one row and batches of two rows take many lengths."""
+    rng = random.Random(0)
+    folder.mkdir()
+    for split, rows in (("train", count), ("test", 4)):
+        with open(folder / f"{split}.jsonl", "w") as out:
+            for index in range(rows):
+                answer = " ".join(rng.choice(WORDS) for _ in range(2 + index % 30))
+                question = " ".join(rng.choice(WORDS) for _ in range(3))
+                out.write(json.dumps({"messages": [{"role": "user", "content": question},
+                                                   {"role": "assistant", "content": answer}]}) + "\n")
+
+
+# The graphs each recipe's compiled regions need: its decoder layer's pieces around the breaks of the CPU path
+# (the block-diagonal attention, transformers' output capturing) and the regions around the layers. Without the fix
+# (static shapes, a first layer whose input does not require a gradient) Llama hits the recompile limit and GPT-OSS
+# builds 26 graphs.
+@pytest.mark.parametrize("recipe, graphs", [("llama-3.2-3b/lora.yaml", 10), ("gpt-oss-20b/lora.yaml", 10)])
+def test_compiled_recipes_compile_once_for_rows_of_every_length(recipe, graphs, tmp_path, monkeypatch):
+    monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)
+    monkeypatch.setattr(functorch_config, "activation_memory_budget", functorch_config.activation_memory_budget)
+    for name in list(os.environ):
+        monkeypatch.setenv(name, os.environ[name])  # whatever the run sets in the environment is undone after it
+    torch._dynamo.reset()
+    counters.clear()
+    write_chat_rows(tmp_path / "data")
+    output_dir = tmp_path / "out"
+    main = runpy.run_path(str(ROOT / "scripts" / "sft.py"))["main"]
+    main(["--config", str(ROOT / "recipes" / recipe), "--tiny", "--dataset_name", str(tmp_path / "data"),
+          "--max_length", "256", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "1",
+          "--max_steps", str(STEPS), "--logging_steps", "1", "--eval_strategy", "no", "--save_strategy", "no",
+          "--torch_compile", "true", "--torch_compile_backend", "aot_eager", "--output_dir", str(output_dir)])
+    torch._dynamo.reset()
+
+    record = json.loads((output_dir / "finetune_speed.json").read_text())
+    steps = record["step_log"]
+    tokens_per_step = [after["num_tokens"] - before for before, after in
+                       zip([0] + [step["num_tokens"] for step in steps], steps)]
+    assert len(steps) == STEPS and len(set(tokens_per_step)) >= 20, tokens_per_step
+    built = [step["compiled_graphs"] for step in steps]
+    assert 0 < built[-1] <= graphs, built
+    assert built[STEPS // 2] == built[-1], f"graphs were still being built after step {STEPS // 2}: {built}"
