@@ -12,7 +12,10 @@
   of a flag per step), the checkpoint of that step is written, training stops, and the process exits with
   `PREEMPTED_EXIT_CODE` (143 = 128 + SIGTERM, "terminated, not finished": a requeue loop relaunches it, and the
   relaunch resumes from that checkpoint). The time from the signal to the saved checkpoint is printed: the grace
-  period the scheduler gives between SIGTERM and SIGKILL must be longer than that.
+  period the scheduler gives between SIGTERM and SIGKILL must be longer than that. A SIGTERM that arrives before any
+  step since the last checkpoint (loading, compiling the first step) has nothing to save: the run exits at once
+  instead of finishing a step that may take minutes. Each training process also gets SIGTERM when its launcher dies
+  (`die_with_launcher`), so none outlives a launcher killed with SIGKILL.
 - **Faults at save time.** A save that fails (no space left, no write permission, read-only file system) ends as a
   `UserError` naming the folder, the reason and the fix; the half-written folder is removed and the previous complete
   checkpoint is left as it was.
@@ -288,6 +291,7 @@ class Preemption(TrainerCallback):
 
     def __init__(self, trainer):
         self.trainer = trainer
+        self.saved_step: int | None = None  # the step of the newest checkpoint (or of the start)
         self.signal_time: float | None = None
         self.stopped_at: int | None = None
         self.longest_step = 0.0
@@ -297,9 +301,17 @@ class Preemption(TrainerCallback):
     def _on_signal(self, signum, frame):
         if self.signal_time is None:
             self.signal_time = time.monotonic()
+        if self.trainer.state.global_step == self.saved_step:
+            _say(f"SIGTERM before any step since step {self.saved_step}: nothing to save; exiting with code "
+                 f"{PREEMPTED_EXIT_CODE} now. Relaunch the same command to resume.")
+            raise SystemExit(PREEMPTED_EXIT_CODE)
 
     def on_train_begin(self, args, state, control, **kwargs):
+        self.saved_step = state.global_step
         self._previous_handler = signal.signal(signal.SIGTERM, self._on_signal)
+
+    def on_save(self, args, state, control, **kwargs):
+        self.saved_step = state.global_step
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._step_started = time.monotonic()
@@ -315,6 +327,17 @@ class Preemption(TrainerCallback):
                 control.should_save = True
                 control.should_training_stop = True
         return control
+
+
+def die_with_launcher() -> None:
+    """Linux: SIGTERM this process when its parent (accelerate launch, torchrun) dies, even of SIGKILL, so that it
+    saves what it can and exits instead of holding the GPU as an orphan."""
+    if not sys.platform.startswith("linux") or "LOCAL_RANK" not in os.environ:
+        return
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def exit_if_preempted(trainer) -> None:

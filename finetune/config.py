@@ -17,7 +17,7 @@ from typing import Literal
 from torch._functorch import config as functorch_config
 from trl import ModelConfig, ScriptArguments, SFTConfig, TrlParser
 
-from finetune import compilation, cpu, fp8, tracking
+from finetune import checkpoints, compilation, cpu, fp8, tracking
 from finetune.architectures import model_family
 from finetune.config_files import (
     accelerate_config_file,
@@ -284,6 +284,7 @@ def apply_to_process(run: RunConfig) -> None:
     activation budget, the MLflow run to continue, the CPU process group (FSDP over gloo), and the access token moved
     out of the arguments the Trainer saves."""
     os.environ.update(run.env)
+    checkpoints.die_with_launcher()
     compilation.prepare_process(run.training)
     if run.training.torch_compile and not run.training.gradient_checkpointing:
         functorch_config.activation_memory_budget = run.finetune.activation_memory_budget
