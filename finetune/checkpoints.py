@@ -304,7 +304,9 @@ class Preemption(TrainerCallback):
         if self.trainer.state.global_step == self.saved_step:
             _say(f"SIGTERM before any step since step {self.saved_step}: nothing to save; exiting with code "
                  f"{PREEMPTED_EXIT_CODE} now. Relaunch the same command to resume.")
-            raise SystemExit(PREEMPTED_EXIT_CODE)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(PREEMPTED_EXIT_CODE)  # not SystemExit: raised inside a compilation it was seen to be swallowed
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.saved_step = state.global_step
