@@ -1,6 +1,7 @@
 """Compiled recipes compile each decoder layer once, whatever the lengths of the rows they meet: a recompilation per
 new length (or past torch's recompile limit, an eager layer) made GPT-OSS-20B's first optimizer step take 370 s on an
-H200. Each recipe trains its tiny model, compiled, through scripts/sft.py on rows of distinct lengths; the compiler's
+H200. Each recipe trains its tiny model, compiled, through scripts/sft.py (in this process, with the environment
+`accelerate launch` gives it) on rows of distinct lengths; the compiler's
 own count of the graphs it built (torch._dynamo's counters, written to finetune_speed.json) must stay at the
 recipe's constant. The backend is aot_eager: the graphs, guards and recompilations are dynamo's, whichever backend
 then turns them into code, and inductor's C++ build would take minutes on a CPU. About 15 s per recipe."""
@@ -18,6 +19,10 @@ from torch._functorch import config as functorch_config
 from tests.helpers import ROOT
 
 STEPS = 24
+# What `accelerate launch` exports to its processes when the config file has no dynamo_config, as the shipped ones
+ACCELERATE_LAUNCH_DYNAMO_ENV = {"ACCELERATE_DYNAMO_BACKEND": "NO", "ACCELERATE_DYNAMO_MODE": "default",
+                                "ACCELERATE_DYNAMO_USE_FULLGRAPH": "False",
+                                "ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION": "False"}
 WORDS = "red blue green cat dog tree hat sun moon star fish bird".split()
 
 
@@ -45,6 +50,8 @@ def test_compiled_recipes_compile_once_for_rows_of_every_length(recipe, graphs, 
     monkeypatch.setattr(functorch_config, "activation_memory_budget", functorch_config.activation_memory_budget)
     for name in list(os.environ):
         monkeypatch.setenv(name, os.environ[name])  # whatever the run sets in the environment is undone after it
+    for name, value in ACCELERATE_LAUNCH_DYNAMO_ENV.items():
+        monkeypatch.setenv(name, value)
     torch._dynamo.reset()
     counters.clear()
     write_chat_rows(tmp_path / "data")
