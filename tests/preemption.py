@@ -29,7 +29,8 @@ MAX_STEPS, SAVE_STEPS = 12, 3
 WEIGHTS = "adapter_model.safetensors"
 
 # Runs in every rank instead of scripts/sft.py: arms one fault from FAULT="kind:step", then runs the real script.
-# Kinds: mid_step (after the first backward of that step, before the optimizer step), save_weights (the weights file
+# Kinds: slow_step (that step sleeps two minutes first), mid_step (after the first backward of that step, before the
+# optimizer step), save_weights (the weights file
 # of checkpoint-step half written), save_optimizer (weights written, optimizer not yet), before_marker (every file
 # written, no marker yet), before_rotation (marker written, older checkpoints not yet rotated), enospc / eacces (the
 # optimizer write of checkpoint-step fails). A kill is a SIGKILL of the whole process group: launcher and all ranks.
@@ -68,6 +69,14 @@ if kind == "mid_step":
             kill()
         return result
     Trainer.training_step = training_step
+if kind == "slow_step":  # a step that takes minutes, as the first one does while the layers compile on a GPU
+    import time
+    original_step = Trainer.training_step
+    def slow_training_step(self, *args, **kwargs):
+        if self.state.global_step + 1 == step:
+            time.sleep(120)
+        return original_step(self, *args, **kwargs)
+    Trainer.training_step = slow_training_step
 if kind == "save_weights":
     original_save_file = safetensors.torch.save_file
     def save_file(tensors, filename, *args, **kwargs):

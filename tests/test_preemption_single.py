@@ -5,11 +5,12 @@ not write to; each relaunch must end with exactly the weights and loss curve of 
 import random
 import signal
 import subprocess
+import time
 
 import pytest
 import torch
 
-from finetune.checkpoints import MARKER, checkpoint_problem
+from finetune.checkpoints import MARKER, PREEMPTED_EXIT_CODE, checkpoint_problem
 from tests.helpers import run_sft_in_process
 from tests.preemption import (
     SEED,
@@ -40,6 +41,23 @@ def test_single_process_survives_seeded_kills_and_sigterm_with_bitwise_equal_wei
     positions = kill_positions(rng, ["mid_step", "save_weights", "save_optimizer", "before_rotation"])
     run_kill_chain(tmp_path, 1, reference_single, positions, sigterm_after_steps=1,
                    external_kill_delay=rng.uniform(3, 15))
+
+
+def test_sigterm_before_the_first_step_ends_the_run_at_once_with_nothing_to_save(tmp_path):
+    """A first step that takes minutes (compiling on a GPU): SIGTERM to the launcher alone (as Kubernetes sends it)
+    must not wait for that step, since there is nothing to save yet."""
+    output_dir = tmp_path / "out"
+    launch = Launch(tmp_path, 1, output_dir, fault="slow_step:1")
+    deadline = time.monotonic() + 120
+    while "[finetune] setup:" not in launch.text() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(1)
+    signalled = time.monotonic()
+    launch.process.send_signal(signal.SIGTERM)
+    assert launch.wait(timeout=60) == PREEMPTED_EXIT_CODE, launch.text()[-3000:]
+    assert time.monotonic() - signalled < 20, "the run waited for its slow first step"
+    assert "SIGTERM before any step since step 0: nothing to save" in launch.text()
+    assert not list(output_dir.glob("checkpoint-*"))
 
 
 def test_corrupted_checkpoints_are_skipped_with_a_message_and_the_run_resumes_exactly(tmp_path, reference_single):
