@@ -23,7 +23,7 @@ import runpy
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from finetune.errors import UserError
+from finetune.errors import FINISHED_PREFIX, RunFinished, UserError
 
 TRAINER_STATE = "trainer_state.json"
 
@@ -77,6 +77,9 @@ def train(config: str | os.PathLike | None = None, **overrides) -> TrainResult:
         run, trainer, tokenizer = sft["prepare"](argv or None)
         training.train_and_save(trainer, run, tokenizer)
         training.finish_run(trainer)
+    except RunFinished as finished:
+        print(f"{FINISHED_PREFIX}{finished}", flush=True)
+        return result_of(str(finished).split(" holds this run's", 1)[0])
     finally:
         os.environ.clear()
         os.environ.update(environment)

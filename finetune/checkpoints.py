@@ -39,6 +39,7 @@ from finetune import patches
 from finetune.errors import UserError
 
 MARKER = "finetune_checkpoint.json"
+FINAL_MARKER = "finetune_final.json"  # written last, after the final model: the run is finished
 PREEMPTED_EXIT_CODE = 143
 CHECKPOINT_PATTERN = re.compile(r"^checkpoint-(\d+)$")
 # What a checkpoint needs besides its weights to resume exactly: one of these names for the optimizer state.
@@ -180,6 +181,42 @@ def write_marker(folder: Path, step: int, world_size: int) -> None:
         os.fsync(handle.fileno())
     os.replace(temporary, folder / MARKER)
     _fsync(folder)
+
+
+def write_final_marker(output_dir: str | Path, step: int, length: dict) -> None:
+    """After the final save: flush the output folder's files and write the marker listing them, last and atomically,
+    so that a relaunch can tell a finished run (nothing to do) from one whose final save was cut short."""
+    folder = Path(output_dir)
+    files = {}
+    for path in sorted(folder.iterdir()):
+        if path.is_file() and path.name != FINAL_MARKER and not path.name.endswith(".tmp"):
+            _fsync(path)
+            files[path.name] = path.stat().st_size
+    marker = {"step": step, "length": length, "written_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "files": files}
+    temporary = folder / (FINAL_MARKER + ".tmp")
+    with open(temporary, "w") as handle:
+        handle.write(json.dumps(marker, indent=1) + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temporary, folder / FINAL_MARKER)
+    _fsync(folder)
+
+
+def finished_step(output_dir: str | Path, length: dict) -> int | None:
+    """The step at which this run finished, when its final model is complete and it is relaunched to train as long
+    as before; None when there is training or a final save left to do."""
+    try:
+        marker = json.loads((Path(output_dir) / FINAL_MARKER).read_text())
+        files, step = marker["files"], int(marker["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if marker.get("length") != length:
+        return None
+    for name, size in files.items():
+        path = Path(output_dir) / name
+        if not path.is_file() or path.stat().st_size != size:
+            return None
+    return step
 
 
 def rotate(output_dir: str | Path, save_total_limit: int | None, keep: set[Path] = frozenset()) -> list[Path]:

@@ -26,7 +26,7 @@ from finetune.config_files import (
     requested_strategy,
     shipped,
 )
-from finetune.errors import UserError
+from finetune.errors import RunFinished, UserError
 from finetune.tiny import TINY_WIDTH
 
 RUN_RECORD = "finetune_run.json"
@@ -454,5 +454,14 @@ def check_output_dir(run: RunConfig) -> None:
             f"{output_dir}: output_dir holds another run ({differing} was {recorded.get(differing)!r}, "
             f"now {run_identity(run)[differing]!r}); pick a new --output_dir, or relaunch that run to resume it."
         )
+    step = checkpoints.finished_step(output_dir, training_length(run.training))
+    if step is not None:
+        raise RunFinished(f"{output_dir} holds this run's complete final model (step {step}); nothing was changed. "
+                          f"Pick a new --output_dir to train again, or raise --max_steps to train on.")
+
+
+def training_length(training) -> dict:
+    """What decides how long a run trains: a relaunch with the same is the same finished run."""
+    return {"max_steps": training.max_steps, "num_train_epochs": training.num_train_epochs}
 
 

@@ -11,6 +11,13 @@ class UserError(Exception):
     """A mistake in a recipe, flag, config file or dataset, reported as one sentence naming the file, field and fix."""
 
 
+class RunFinished(Exception):
+    """A relaunch of a run whose final model is complete: said in one line, nothing changed, exit 0."""
+
+
+FINISHED_PREFIX = "[finetune] finished already: "
+
+
 def report(error: UserError) -> int:
     """Print a user mistake as one line on stderr; the exit code that goes with it."""
     print(f"error: {error}", file=sys.stderr, flush=True)
@@ -23,3 +30,6 @@ def exit_on_user_error(main) -> None:
         main()
     except UserError as error:
         sys.exit(report(error))
+    except RunFinished as finished:
+        print(f"{FINISHED_PREFIX}{finished}", flush=True)
+        sys.exit(0)

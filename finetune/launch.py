@@ -32,7 +32,7 @@ from finetune.config_files import (
     read_yaml_mapping,
     shipped,
 )
-from finetune.errors import UserError
+from finetune.errors import FINISHED_PREFIX, UserError
 
 SFT_SCRIPT = shipped("scripts/sft.py")
 # The `accelerate launch` flags this command understands; any other flag is scripts/sft.py's.
@@ -163,7 +163,7 @@ def run_and_report(command: list[str]) -> tuple[int, str | None, str | None]:
     child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     found: dict[str, str] = {}
 
-    def copy(stream, target, prefix: str, stop_after: bool):
+    def copy(stream, target, prefixes: tuple[str, ...], stop_after: bool):
         pending = b""
         for chunk in iter(lambda: stream.read1(65536), b""):
             if found.get(ERROR_PREFIX) and stop_after:
@@ -173,8 +173,9 @@ def run_and_report(command: list[str]) -> tuple[int, str | None, str | None]:
             pending = lines.pop()
             for line in lines:
                 text = line.decode(errors="replace")
-                if text.startswith(prefix) and prefix not in found:
-                    found[prefix] = text[len(prefix):].strip()
+                for prefix in prefixes:
+                    if text.startswith(prefix) and prefix not in found:
+                        found[prefix] = text[len(prefix):].strip()
                 if not (found.get(ERROR_PREFIX) and stop_after and not text.startswith(ERROR_PREFIX)):
                     target.write(text + "\n")
                     target.flush()
@@ -185,8 +186,9 @@ def run_and_report(command: list[str]) -> tuple[int, str | None, str | None]:
         if pending and not found.get(ERROR_PREFIX):
             target.write(pending.decode(errors="replace"))
 
-    readers = [threading.Thread(target=copy, args=(child.stdout, sys.stdout, SAVED_PREFIX, False), daemon=True),
-               threading.Thread(target=copy, args=(child.stderr, sys.stderr, ERROR_PREFIX, True), daemon=True)]
+    readers = [threading.Thread(target=copy, args=(child.stdout, sys.stdout, (SAVED_PREFIX, FINISHED_PREFIX), False),
+                                daemon=True),
+               threading.Thread(target=copy, args=(child.stderr, sys.stderr, (ERROR_PREFIX,), True), daemon=True)]
     for reader in readers:
         reader.start()
     forward = threading.current_thread() is threading.main_thread()
@@ -202,7 +204,8 @@ def run_and_report(command: list[str]) -> tuple[int, str | None, str | None]:
             signal.signal(signal.SIGTERM, previous)
         for reader in readers:
             reader.join(timeout=10)
-    return code, found.get(ERROR_PREFIX), found.get(SAVED_PREFIX)
+    finished = found.get(FINISHED_PREFIX, "").split(" holds this run's", 1)[0] or None
+    return code, found.get(ERROR_PREFIX), found.get(SAVED_PREFIX) or finished
 
 
 def main(argv: list[str]) -> int:

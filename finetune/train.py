@@ -15,7 +15,7 @@ from trl import SFTTrainer
 from finetune import (attention, checkpoints, compilation, expert_lora, fp8, inference, make_callable, patches, speed,
                       tracking)
 from finetune import model as model_loading
-from finetune.config import RUN_RECORD, RunConfig, run_identity
+from finetune.config import RUN_RECORD, RunConfig, run_identity, training_length
 from finetune.config_files import accelerate_config_file, requested_strategy
 from finetune.errors import UserError
 
@@ -141,6 +141,7 @@ def train_and_save(trainer: SFTTrainer, run: RunConfig, tokenizer) -> None:
     is_main = trainer.accelerator.is_main_process
     if is_main:
         Path(output_dir).mkdir(parents=True, exist_ok=True)
+        (Path(output_dir) / checkpoints.FINAL_MARKER).unlink(missing_ok=True)  # training again: not finished now
         (Path(output_dir) / RUN_RECORD).write_text(json.dumps(run_identity(run), indent=2) + "\n")
         if run.data_sources:
             (Path(output_dir) / DATA_RECORD).write_text(json.dumps(run.data_sources, indent=2) + "\n")
@@ -162,6 +163,7 @@ def train_and_save(trainer: SFTTrainer, run: RunConfig, tokenizer) -> None:
             after = model_loading.answer(trainer.model, tokenizer, run.finetune.sample_prompt,
                                         chat_template_kwargs=run.finetune.chat_template_kwargs)
             print(f"[finetune] {run.finetune.sample_prompt!r}\n  before training: {before!r}\n  after training:  {after!r}")
+        checkpoints.write_final_marker(output_dir, trainer.state.global_step, training_length(run.training))
         print(f"[finetune] saved to {output_dir}", flush=True)
 
 

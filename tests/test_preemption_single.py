@@ -3,6 +3,7 @@ every moment of a step and a save, a SIGKILL from outside, SIGTERM, corrupted ch
 not write to; each relaunch must end with exactly the weights and loss curve of the uninterrupted run."""
 
 import random
+import shutil
 import signal
 import subprocess
 import time
@@ -11,7 +12,8 @@ import pytest
 import torch
 
 from finetune.checkpoints import MARKER, PREEMPTED_EXIT_CODE, checkpoint_problem
-from tests.helpers import run_sft_in_process
+from finetune.errors import FINISHED_PREFIX
+from tests.helpers import folder_digest, run_sft_in_process
 from tests.preemption import (
     SEED,
     WEIGHTS,
@@ -58,6 +60,26 @@ def test_sigterm_before_the_first_step_ends_the_run_at_once_with_nothing_to_save
     assert time.monotonic() - signalled < 20, "the run waited for its slow first step"
     assert "SIGTERM before any step since step 0: nothing to save" in launch.text()
     assert not list(output_dir.glob("checkpoint-*"))
+
+
+def test_relaunching_a_finished_run_says_so_and_changes_nothing(tmp_path, reference_single):
+    """The README's advice after a preemption, and a requeue loop, relaunch the same command after the run ended: it
+    must not train again, re-save the model or let save_total_limit delete its checkpoints."""
+    output_dir = tmp_path / "out"
+    shutil.copytree(reference_single, output_dir)
+    before = folder_digest(output_dir)
+    launch = Launch(tmp_path, 1, output_dir, "--save_total_limit", "1")
+    assert launch.wait() == 0, launch.text()[-3000:]
+    assert f"{FINISHED_PREFIX}{output_dir} holds this run's complete final model (step 12)" in launch.text()
+    assert folder_digest(output_dir) == before
+
+
+def test_a_final_save_cut_short_is_redone_from_the_last_checkpoint_without_training_further(tmp_path, reference_single):
+    output_dir = copy_run(reference_single, tmp_path / "out")  # the final model's files gone, the checkpoints kept
+    launch = Launch(tmp_path, 1, output_dir)
+    assert launch.wait() == 0, launch.text()[-3000:]
+    assert "'loss': " not in launch.text(), "a finished run trained again"
+    assert_same_checkpoint(output_dir, reference_single)
 
 
 def test_corrupted_checkpoints_are_skipped_with_a_message_and_the_run_resumes_exactly(tmp_path, reference_single):
