@@ -7,6 +7,7 @@ fix; `scripts/sft.py` prints it and exits non-zero without a traceback.
 import argparse
 import contextlib
 import json
+import math
 import os
 import sys
 import time
@@ -358,11 +359,43 @@ def check(run: RunConfig) -> None:
             f"{source}: `lora_target_parameters` adapts mixture-of-experts weights, which "
             f"{model.model_name_or_path} does not have; remove it or use lora_target_modules."
         )
+    check_numbers(run, source)
     tracking.check_installed(run.training, source)
     fp8.check(run, source)
     check_deepspeed_agrees(run)
     check_resume_checkpoint(run)
     check_output_dir(run)
+
+
+def check_numbers(run: RunConfig, source: str) -> None:
+    """Numbers outside the range where they mean something: refused here, not as a traceback after loading or as a
+    run that silently trains nothing."""
+    training, model = run.training, run.model
+
+    def refuse(key: str, value, meaning: str) -> None:
+        raise UserError(f"{source}: `{key}: {value}` {meaning}; fix `{key}` (a recipe key or --{key}).")
+
+    for key in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
+        if getattr(training, key) < 1:
+            refuse(key, getattr(training, key), "must be a whole number of at least 1")
+    if not math.isfinite(training.learning_rate) or training.learning_rate <= 0:
+        refuse("learning_rate", training.learning_rate, "must be a finite number above 0")
+    if training.max_length is not None and training.max_length < 1:
+        refuse("max_length", training.max_length, "is the tokens per row and must be at least 1 (or unset)")
+    if training.max_steps <= 0 and not training.num_train_epochs > 0:
+        refuse("num_train_epochs", training.num_train_epochs, "trains nothing without a positive max_steps; give a "
+               "number of epochs above 0 or set max_steps")
+    if str(training.save_strategy).endswith("STEPS") or str(training.save_strategy) == "steps":
+        if training.save_steps <= 0:
+            refuse("save_steps", training.save_steps, "must be above 0 with save_strategy steps (a fraction below 1 "
+                   "is a share of the run)")
+    if model.use_peft:
+        if model.lora_r < 1:
+            refuse("lora_r", model.lora_r, "is the adapters' rank and must be at least 1")
+        if not math.isfinite(model.lora_alpha) or model.lora_alpha <= 0:
+            refuse("lora_alpha", model.lora_alpha, "scales the adapters and must be above 0")
+        if not 0 <= model.lora_dropout < 1:
+            refuse("lora_dropout", model.lora_dropout, "is a probability and must be at least 0 and below 1")
 
 
 def check_mxfp4(run: RunConfig, source: str) -> None:

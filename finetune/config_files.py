@@ -32,13 +32,34 @@ def local_or_shipped(path: str) -> str:
     return str(candidate) if candidate.exists() else path
 
 
+class _DuplicateKey(Exception):
+    pass
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML keeps the last of two equal keys without a word; a recipe setting a key twice is refused instead."""
+
+    def construct_mapping(self, node, deep=False):
+        lines = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in lines:
+                raise _DuplicateKey(f"`{key}` is set twice (lines {lines[key]} and {key_node.start_mark.line + 1})")
+            lines[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep)
+
+
 def read_yaml_mapping(file: str, kind: str, where_to_find: str) -> dict:
     """A flat YAML file (a recipe, an accelerate config), or a UserError naming the file and what to fix."""
     path = Path(file)
     if not path.is_file():
         raise UserError(f"{file}: {kind} file not found; {where_to_find}.")
     try:
-        values = yaml.safe_load(path.read_text())
+        values = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
+    except UnicodeDecodeError as error:
+        raise UserError(f"{file}: not UTF-8 text (byte {error.start}); save the file as UTF-8.") from None
+    except _DuplicateKey as error:
+        raise UserError(f"{file}: {error}; keep one of them.") from None
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""

@@ -42,6 +42,11 @@ def rows_file(tmp: Path, rows: list, name: str = "rows.jsonl") -> Path:
     return write(tmp / name, "".join(row if isinstance(row, str) else json.dumps(row) + "\n" for row in rows))
 
 
+def write_bytes(path: Path, content: bytes) -> Path:
+    path.write_bytes(content)
+    return path
+
+
 def recipe(tmp: Path, text: str) -> list[str]:
     return ["--config", str(write(tmp / "recipe.yaml", text))]
 
@@ -156,6 +161,25 @@ BAD_INPUTS = [
      ["full.yaml", "`use_dora`", "use_peft"]),
     ("LoRA dropout on a full fine-tuning recipe", lambda t: ["--tiny", *recipe(t, FULL.read_text() + "\nlora_dropout: 0.1\n")],
      ["recipe.yaml", "`lora_dropout`", "use_peft: true"]),
+    # --- numbers out of their range (each a traceback or a run that trained nothing before)
+    ("LoRA rank 0", lambda t: ["--config", str(LORA), "--tiny", "--lora_r", "0"], ["lora.yaml", "`lora_r: 0`", "at least 1"]),
+    ("LoRA alpha 0", lambda t: ["--config", str(LORA), "--tiny", "--lora_alpha", "0"], ["lora.yaml", "`lora_alpha: 0`", "above 0"]),
+    ("LoRA dropout above 1", lambda t: ["--config", str(LORA), "--tiny", "--lora_dropout", "1.5"],
+     ["lora.yaml", "`lora_dropout: 1.5`", "below 1"]),
+    ("negative learning rate", lambda t: [*TINY, "--learning_rate=-1e-4"], ["full.yaml", "`learning_rate: -0.0001`", "above 0"]),
+    ("learning rate NaN", lambda t: [*TINY, "--learning_rate", "nan"], ["full.yaml", "`learning_rate: nan`", "finite"]),
+    ("max_length 0", lambda t: [*TINY, "--max_length", "0"], ["full.yaml", "`max_length: 0`", "at least 1"]),
+    ("max_length -1", lambda t: [*TINY, "--max_length", "-1"], ["full.yaml", "`max_length: -1`", "at least 1"]),
+    ("accumulation 0", lambda t: [*TINY, "--gradient_accumulation_steps", "0"],
+     ["full.yaml", "`gradient_accumulation_steps: 0`", "at least 1"]),
+    ("batch 0", lambda t: [*TINY, "--per_device_train_batch_size", "0"], ["full.yaml", "`per_device_train_batch_size: 0`"]),
+    ("negative epochs train nothing", lambda t: [*TINY, "--num_train_epochs", "-1"],
+     ["full.yaml", "`num_train_epochs: -1.0`", "trains nothing"]),
+    ("save_steps 0", lambda t: [*TINY, "--save_steps", "0"], ["full.yaml", "`save_steps: 0.0`", "above 0"]),
+    ("recipe key set twice", lambda t: ["--tiny", *recipe(t, FULL.read_text() + "\nlearning_rate: 1.0e-3\n")],
+     ["recipe.yaml", "`learning_rate` is set twice", "keep one"]),
+    ("recipe that is not UTF-8", lambda t: ["--config", str(write_bytes(t / "recipe.yaml", b"use_peft: true\n\xff: 1\n"))],
+     ["recipe.yaml", "not UTF-8", "save the file as UTF-8"]),
     # --- dataset files
     ("bad JSON line", lambda t: data(t, [{"messages": good_turns()}, '{"messages": [oops\n']),
      ["rows.jsonl", "line 2 is not valid JSON", "fix or remove that line"]),
