@@ -8,10 +8,38 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
 from finetune.errors import UserError, report
+
+
+def whole_number(minimum: int):
+    """An argparse type: an int of at least `minimum` (a count of GPUs, tokens, rows)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} is below {minimum}; give {minimum} or more")
+        return value
+    return parse
+
+
+def number(low: float, high: float = math.inf, low_allowed: bool = True):
+    """An argparse type: a finite float from `low` (included unless `low_allowed` is false) up to `high`."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not math.isfinite(value) or value > high or value < low or (value == low and not low_allowed):
+            bounds = f"{'above' if not low_allowed else 'at least'} {low:g}" + (f" and at most {high:g}" if high < math.inf else "")
+            raise argparse.ArgumentTypeError(f"{text} is out of range; give a number {bounds}")
+        return value
+    return parse
 
 
 def _run_plan(args: argparse.Namespace, extra: list[str]) -> int:
@@ -42,11 +70,11 @@ def add_plan(subparsers) -> None:
         "Exit status: 0 when something fits, 1 when nothing does.",
     )
     p.add_argument("--config", required=True, help="recipe YAML (recipes/MODEL/METHOD.yaml)")
-    p.add_argument("--gpus", type=int, default=1, help="GPUs per node")
-    p.add_argument("--nodes", type=int, default=1, help="machines (adds the multi-node flags to the command)")
+    p.add_argument("--gpus", type=whole_number(1), default=1, help="GPUs per node")
+    p.add_argument("--nodes", type=whole_number(1), default=1, help="machines (adds the multi-node flags to the command)")
     gpu = p.add_mutually_exclusive_group(required=True)
     gpu.add_argument("--gpu", help="A10, L4, A100-40, A100-80, H100, H200, B200")
-    gpu.add_argument("--gpu-memory", type=float, help="memory of one GPU in GiB")
+    gpu.add_argument("--gpu-memory", type=number(0, low_allowed=False), help="memory of one GPU in GiB")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=_run_plan, accepts_extra=True)
 
@@ -86,7 +114,7 @@ def _add_model_arguments(p) -> None:
     p.add_argument("output_dir", help="a training run's output_dir: a full model or a LoRA adapter")
     p.add_argument("--base", help="base model of a LoRA adapter (default: the one in its adapter_config.json)")
     p.add_argument("--device", help="cuda, cuda:1, cpu... (default: cuda when there is a GPU; bf16 there, float32 on CPU)")
-    p.add_argument("--max_new_tokens", type=int, default=256, help="most tokens generated per answer")
+    p.add_argument("--max_new_tokens", type=whole_number(1), default=256, help="most tokens generated per answer")
 
 
 def _run_chat(args: argparse.Namespace, extra: list[str]) -> int:
@@ -106,8 +134,8 @@ def add_chat(subparsers) -> None:
     )
     _add_model_arguments(p)
     p.add_argument("--system", help="a system message that opens every conversation")
-    p.add_argument("--temperature", type=float, help="0 is greedy (default: the saved generation config)")
-    p.add_argument("--top_p", type=float, help="nucleus sampling (default: the saved generation config)")
+    p.add_argument("--temperature", type=number(0), help="0 is greedy (default: the saved generation config)")
+    p.add_argument("--top_p", type=number(0, 1, low_allowed=False), help="nucleus sampling (default: the saved generation config)")
     p.set_defaults(func=_run_chat)
 
 
@@ -133,9 +161,9 @@ def add_generate(subparsers) -> None:
     _add_model_arguments(p)
     p.add_argument("--prompts", required=True, help=".jsonl of `messages`/`prompt` rows, or plain text lines")
     p.add_argument("--out", required=True, help="where to write the answers (.jsonl)")
-    p.add_argument("--batch_size", type=int, default=16)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 (the default) is greedy")
-    p.add_argument("--top_p", type=float)
+    p.add_argument("--batch_size", type=whole_number(1), default=16)
+    p.add_argument("--temperature", type=number(0), default=0.0, help="0 (the default) is greedy")
+    p.add_argument("--top_p", type=number(0, 1, low_allowed=False))
     p.set_defaults(func=_run_generate)
 
 
@@ -175,9 +203,9 @@ def add_eval(subparsers) -> None:
     _add_model_arguments(p)
     p.add_argument("--dataset_name", required=True, help="hub id, local folder or .jsonl/.json/.parquet/.csv file")
     p.add_argument("--split", default="test")
-    p.add_argument("--limit", type=int, help="score only the first N rows")
+    p.add_argument("--limit", type=whole_number(1), help="score only the first N rows")
     p.add_argument("--compare", help="a second output folder or model (e.g. the base) scored on the same rows")
-    p.add_argument("--batch_size", type=int, default=16)
+    p.add_argument("--batch_size", type=whole_number(1), default=16)
     p.add_argument("--report", help="JSON report file (default: OUTPUT_DIR/finetune_eval.json)")
     p.set_defaults(func=_run_eval)
 

@@ -303,3 +303,25 @@ def test_bad_input_is_one_sentence_naming_file_field_and_fix(case, tmp_path, cap
     assert "Loading weights" not in result.stderr + result.stdout, "the check must come before the model loads"
     assert folder_digest(output_dir) == before, "a refused run changes nothing in an existing output folder"
 
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["plan", "--config", str(FULL), "--gpu", "H200", "--gpus", "0"], "argument --gpus: 0 is below 1"),
+    (["plan", "--config", str(FULL), "--gpu", "H200", "--nodes", "-2"], "argument --nodes: -2 is below 1"),
+    (["plan", "--config", str(FULL), "--gpu-memory", "-1"], "argument --gpu-memory: -1 is out of range"),
+    (["eval", "out", "--dataset_name", "rows.jsonl", "--limit", "0"], "argument --limit: 0 is below 1"),
+    (["generate", "out", "--prompts", "p.jsonl", "--out", "a.jsonl", "--batch_size", "0"], "argument --batch_size: 0"),
+    (["chat", "out", "--temperature", "-1"], "argument --temperature: -1 is out of range"),
+    (["chat", "out", "--top_p", "1.5"], "argument --top_p: 1.5 is out of range"),
+    (["chat", "out", "--max_new_tokens", "-3"], "argument --max_new_tokens: -3 is below 1"),
+], ids=lambda value: value if isinstance(value, str) else " ".join(value[:1] + value[-2:]))
+def test_finetune_command_numbers_out_of_range_are_refused_before_anything_runs(arguments, message, capsys):
+    """`plan --gpus 0` printed `--num_processes 0`, `eval --limit 0` scored every row, `chat --temperature -1` failed
+    in generation: each number is checked where it is parsed."""
+    from finetune import cli
+
+    with pytest.raises(SystemExit) as exit:
+        cli.main(arguments)
+    assert exit.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
