@@ -39,6 +39,8 @@ def _load(name: str, config_name: str | None) -> DatasetDict:
     if path.is_file():
         if path.suffix not in FILE_BUILDERS:
             raise UserError(f"{name}: unsupported dataset file type; use one of {', '.join(FILE_BUILDERS)}.")
+        if path.suffix in (".jsonl", ".json", ".csv"):
+            _check_text(path, name)
         if path.suffix == ".jsonl":
             _check_json_lines(path, name)
         try:
@@ -52,6 +54,22 @@ def _load(name: str, config_name: str | None) -> DatasetDict:
             f"{name}: the dataset could not be loaded ({_first_line(error)}); without network pass a local "
             f"folder or .jsonl/.json/.parquet/.csv file to --dataset_name."
         ) from None
+
+
+def _check_text(path: Path, name: str) -> None:
+    """A text data file must be UTF-8 and hold something: name the first line that is not (`datasets` fails deep inside
+    its reader, or while the rows are checked, with a traceback)."""
+    empty = True
+    with open(path, "rb") as lines:
+        for number, line in enumerate(lines, start=1):
+            try:
+                text = line.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise UserError(f"{name}: line {number} is not UTF-8 text (its byte {error.start + 1}); save the file "
+                                f"as UTF-8.") from None
+            empty = empty and not text.strip()
+    if empty:
+        raise UserError(f"{name}: the file holds no rows; give a file with at least one row.")
 
 
 def _check_json_lines(path: Path, name: str) -> None:

@@ -183,6 +183,11 @@ BAD_INPUTS = [
     # --- dataset files
     ("bad JSON line", lambda t: data(t, [{"messages": good_turns()}, '{"messages": [oops\n']),
      ["rows.jsonl", "line 2 is not valid JSON", "fix or remove that line"]),
+    ("data file that is not UTF-8", lambda t: [*TINY, "--dataset_name", str(write_bytes(t / "rows.jsonl", (
+        json.dumps({"messages": good_turns()}) + "\n").encode() + b'{"text": "caf\xe9"}\n'))],
+     ["rows.jsonl", "line 2 is not UTF-8", "save the file as UTF-8"]),
+    ("empty data file", lambda t: [*TINY, "--dataset_name", str(write(t / "rows.jsonl", "\n"))],
+     ["rows.jsonl", "holds no rows"]),
     ("prompt without completion column", lambda t: data(t, [{"prompt": "a"}]),
      ["rows.jsonl", "['prompt']", "`prompt` + `completion`"]),
     ("empty conversation", lambda t: data(t, [{"messages": good_turns()}, {"messages": []}]),
