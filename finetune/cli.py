@@ -143,6 +143,10 @@ def _run_generate(args: argparse.Namespace, extra: list[str]) -> int:
     from finetune import inference
 
     prompts = inference.read_prompts(args.prompts)
+    out_folder = Path(args.out).resolve().parent
+    if not out_folder.is_dir():
+        raise UserError(f"{args.out}: its folder {out_folder} does not exist; create it or pick another --out "
+                        f"(checked before any answer is generated).")
     model, tokenizer = inference.load_trained(args.output_dir, args.base, args.device)
     generation = inference.generation_kwargs(args.temperature, args.top_p, args.max_new_tokens)
     answers = inference.generate_answers(model, tokenizer, [turns for _, turns in prompts], args.batch_size, **generation)

@@ -197,8 +197,13 @@ def read_prompts(path: str) -> list[tuple[dict, list[dict]]]:
     if not file.is_file():
         raise UserError(f"{path}: prompts file not found; pass a .jsonl of `messages` or `prompt` rows, or a text "
                         f"file with one prompt per line.")
+    try:
+        text = file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        line = file.read_bytes()[:error.start].count(b"\n") + 1
+        raise UserError(f"{path}: line {line} is not UTF-8 text; save the prompts file as UTF-8.") from None
     prompts = []
-    for number, line in enumerate(file.read_text(encoding="utf-8").splitlines(), start=1):
+    for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         if file.suffix != ".jsonl":

@@ -330,3 +330,17 @@ def test_finetune_command_numbers_out_of_range_are_refused_before_anything_runs(
     assert exit.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err, err
+
+
+def test_generate_refuses_a_bad_prompts_file_or_out_folder_before_loading_a_model(tmp_path, capsys, monkeypatch):
+    """`generate --out` into a missing folder failed after generating every answer; a prompts file that is not UTF-8
+    was a traceback."""
+    from finetune import cli, inference
+
+    monkeypatch.setattr(inference, "load_trained", lambda *_: pytest.fail("a model was loaded before the refusal"))
+    prompts = write(tmp_path / "prompts.txt", "Reverse: dog tree hat\n")
+    assert cli.main(["generate", "out", "--prompts", str(prompts), "--out", str(tmp_path / "no" / "a.jsonl")]) == 2
+    assert f"its folder {tmp_path / 'no'} does not exist" in capsys.readouterr().err
+    bad = write_bytes(tmp_path / "bad.txt", b"Reverse: dog\nReverse: caf\xe9\n")
+    assert cli.main(["generate", "out", "--prompts", str(bad), "--out", str(tmp_path / "a.jsonl")]) == 2
+    assert f"{bad}: line 2 is not UTF-8 text" in capsys.readouterr().err
