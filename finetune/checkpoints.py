@@ -183,6 +183,17 @@ def write_marker(folder: Path, step: int, world_size: int) -> None:
     _fsync(folder)
 
 
+def write_atomically(path: Path, text: str) -> None:
+    """Write aside, flush to disk, rename: a kill or a full disk leaves the previous file or the new one, never half."""
+    temporary = path.with_name(path.name + ".tmp")
+    with open(temporary, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temporary, path)
+    _fsync(path.parent)
+
+
 def write_final_marker(output_dir: str | Path, step: int, length: dict) -> None:
     """After the final save: flush the output folder's files and write the marker listing them, last and atomically,
     so that a relaunch can tell a finished run (nothing to do) from one whose final save was cut short."""
@@ -193,13 +204,7 @@ def write_final_marker(output_dir: str | Path, step: int, length: dict) -> None:
             _fsync(path)
             files[path.name] = path.stat().st_size
     marker = {"step": step, "length": length, "written_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "files": files}
-    temporary = folder / (FINAL_MARKER + ".tmp")
-    with open(temporary, "w") as handle:
-        handle.write(json.dumps(marker, indent=1) + "\n")
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, folder / FINAL_MARKER)
-    _fsync(folder)
+    write_atomically(folder / FINAL_MARKER, json.dumps(marker, indent=1) + "\n")
 
 
 def finished_step(output_dir: str | Path, length: dict) -> int | None:

@@ -480,7 +480,12 @@ def check_output_dir(run: RunConfig) -> None:
             f"{output_dir}: output_dir already holds files that no finetune run wrote; "
             f"pick an empty --output_dir so nothing there is overwritten."
         )
-    recorded = json.loads(record_file.read_text())
+    try:
+        recorded = json.loads(record_file.read_text())
+    except (OSError, ValueError):  # cut short by a crash before it was written atomically
+        print(f"[finetune] {record_file} is unreadable; taking {output_dir} as this run's folder and writing it "
+              f"again.", flush=True)
+        recorded = run_identity(run)
     if recorded != run_identity(run):
         differing = next(key for key, value in run_identity(run).items() if recorded.get(key) != value)
         raise UserError(

@@ -142,9 +142,9 @@ def train_and_save(trainer: SFTTrainer, run: RunConfig, tokenizer) -> None:
     if is_main:
         Path(output_dir).mkdir(parents=True, exist_ok=True)
         (Path(output_dir) / checkpoints.FINAL_MARKER).unlink(missing_ok=True)  # training again: not finished now
-        (Path(output_dir) / RUN_RECORD).write_text(json.dumps(run_identity(run), indent=2) + "\n")
+        checkpoints.write_atomically(Path(output_dir) / RUN_RECORD, json.dumps(run_identity(run), indent=2) + "\n")
         if run.data_sources:
-            (Path(output_dir) / DATA_RECORD).write_text(json.dumps(run.data_sources, indent=2) + "\n")
+            checkpoints.write_atomically(Path(output_dir) / DATA_RECORD, json.dumps(run.data_sources, indent=2) + "\n")
     show_answers = run.finetune.sample_prompt and trainer.accelerator.num_processes == 1
     if show_answers:
         before = model_loading.answer(trainer.model, tokenizer, run.finetune.sample_prompt,

@@ -2,6 +2,7 @@
 every moment of a step and a save, a SIGKILL from outside, SIGTERM, corrupted checkpoints, a full disk, a folder it may
 not write to; each relaunch must end with exactly the weights and loss curve of the uninterrupted run."""
 
+import json
 import random
 import shutil
 import signal
@@ -72,6 +73,18 @@ def test_relaunching_a_finished_run_says_so_and_changes_nothing(tmp_path, refere
     assert launch.wait() == 0, launch.text()[-3000:]
     assert f"{FINISHED_PREFIX}{output_dir} holds this run's complete final model (step 12)" in launch.text()
     assert folder_digest(output_dir) == before
+
+
+def test_a_run_record_cut_short_does_not_stop_the_relaunch(tmp_path, reference_single):
+    """finetune_run.json was written in place: one cut short made every relaunch crash. It is written atomically now,
+    and one left unreadable by an older version is written again by the relaunch, which resumes."""
+    output_dir = copy_run(reference_single, tmp_path / "out")
+    (output_dir / "finetune_run.json").write_text('{"model_name_or_path": "meta-ll')
+    launch = Launch(tmp_path, 1, output_dir)
+    assert launch.wait() == 0, launch.text()[-3000:]
+    assert "finetune_run.json is unreadable; taking" in launch.text()
+    assert json.loads((output_dir / "finetune_run.json").read_text())["tiny"] is True
+    assert_same_checkpoint(output_dir, reference_single)
 
 
 def test_a_final_save_cut_short_is_redone_from_the_last_checkpoint_without_training_further(tmp_path, reference_single):
