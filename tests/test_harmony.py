@@ -41,11 +41,12 @@ def trained_text(messages: list[dict]) -> str:
 
 @pytest.fixture(scope="module")
 def harmony_trainer(tmp_path_factory):
-    """The GPT-OSS LoRA recipe's trainer on the harmony sample, reasoning_effort high, its data tokenized by TRL."""
+    """The GPT-OSS LoRA recipe's trainer on the harmony sample, reasoning_effort high, its data tokenized by TRL, one
+    conversation a row (the recipe packs them; the labels are checked row by row)."""
     output = tmp_path_factory.mktemp("harmony")
     run = config.parse_args([
         "--config", str(GPT_OSS), "--tiny", "--output_dir", str(output), "--dataset_name", str(HARMONY),
-        "--eval_strategy", "no", "--chat_template_kwargs", '{"reasoning_effort": "high"}',
+        "--eval_strategy", "no", "--chat_template_kwargs", '{"reasoning_effort": "high"}', "--packing", "false",
     ])
     model_path = model.resolve_model_path(run)
     tokenizer = model.load_tokenizer(model_path, run.training.assistant_only_loss)
