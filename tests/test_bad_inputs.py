@@ -180,6 +180,8 @@ BAD_INPUTS = [
      ["recipe.yaml", "`learning_rate` is set twice", "keep one"]),
     ("recipe that is not UTF-8", lambda t: ["--config", str(write_bytes(t / "recipe.yaml", b"use_peft: true\n\xff: 1\n"))],
      ["recipe.yaml", "not UTF-8", "save the file as UTF-8"]),
+    ("output folder under a file", lambda t: [*TINY, "--output_dir", str(write(t / "afile", "x") / "out")],
+     ["afile/out", "cannot be created", "is a file"]),
     # --- dataset files
     ("bad JSON line", lambda t: data(t, [{"messages": good_turns()}, '{"messages": [oops\n']),
      ["rows.jsonl", "line 2 is not valid JSON", "fix or remove that line"]),
@@ -344,3 +346,22 @@ def test_generate_refuses_a_bad_prompts_file_or_out_folder_before_loading_a_mode
     bad = write_bytes(tmp_path / "bad.txt", b"Reverse: dog\nReverse: caf\xe9\n")
     assert cli.main(["generate", "out", "--prompts", str(bad), "--out", str(tmp_path / "a.jsonl")]) == 2
     assert f"{bad}: line 2 is not UTF-8 text" in capsys.readouterr().err
+
+
+def test_an_output_folder_on_a_read_only_disk_is_refused_before_loading(tmp_path, capfd, monkeypatch):
+    """A read-only tmpfs where mounting is allowed (root, as in CI), else os.access answering as on one."""
+    disk = tmp_path / "ro"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(disk)],
+                             capture_output=True).returncode == 0
+    if not mounted:
+        real_access = os.access
+        monkeypatch.setattr(os, "access", lambda path, mode: False if str(path).startswith(str(disk)) else
+                            real_access(path, mode))
+    try:
+        result = run_sft_in_process([*TINY, "--output_dir", str(disk / "out")], capfd, monkeypatch)
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert f"{disk / 'out'}: output_dir cannot be written ({disk} is read-only" in result.stderr, result.stderr
