@@ -9,7 +9,8 @@ from pathlib import Path
 import torch
 from accelerate import PartialState
 from peft import LoraConfig
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, Mxfp4Config, PreTrainedModel
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, Mxfp4Config,
+                          PreTrainedModel)
 from trl import get_peft_config, get_quantization_config
 
 from finetune import attention, cpu, mxfp4, tiny
@@ -88,6 +89,27 @@ def load_model(run: RunConfig, model_path: str) -> PreTrainedModel:
         ) from None
     model.config.use_cache = False
     return model
+
+
+def check_lora_targets(run: RunConfig, model_path: str) -> None:
+    """LoRA target modules that match no layer of the model: refused before loading, naming the layers there are.
+    peft adapts what matches and says nothing of a misspelled name beside a right one (or fails after loading when
+    none matches). The model's layers are read from a skeleton on the meta device: no weights, no memory."""
+    targets = run.model.lora_target_modules
+    if not run.model.use_peft or not targets or targets in ("all-linear", ["all-linear"]) or isinstance(targets, str):
+        return
+    try:
+        config = AutoConfig.from_pretrained(model_path)
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config)
+    except Exception:  # a model this check cannot build on meta: peft's own check still runs at load
+        return
+    names = [name for name, module in skeleton.named_modules() if isinstance(module, torch.nn.Linear)]
+    unmatched = [target for target in targets if not any(name == target or name.endswith("." + target) for name in names)]
+    if unmatched:
+        layers = sorted({name.rsplit(".", 1)[-1] for name in names})
+        raise UserError(f"{run.recipe_path or 'command line'}: `lora_target_modules` {unmatched} match no layer of "
+                        f"{run.model.model_name_or_path}; its linear layers are {layers} (or use all-linear).")
 
 
 def lora_config(run: RunConfig) -> LoraConfig | None:

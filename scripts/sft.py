@@ -16,6 +16,7 @@ def prepare(argv: list[str] | None = None):
     config.check(run)
     model_path = model.resolve_model_path(run)
     tokenizer = model.load_tokenizer(model_path, run.training.assistant_only_loss)
+    model.check_lora_targets(run, model_path)
     train_set, eval_set = data.load_datasets(run.script, run.training, None if run.finetune.truncation else tokenizer,
                                              run.finetune, record=run.data_sources, tokenizer=tokenizer)
     trainer = train.build_trainer(run, model.load_model(run, model_path), tokenizer, train_set, eval_set)

@@ -182,6 +182,9 @@ BAD_INPUTS = [
      ["recipe.yaml", "not UTF-8", "save the file as UTF-8"]),
     ("output folder under a file", lambda t: [*TINY, "--output_dir", str(write(t / "afile", "x") / "out")],
      ["afile/out", "cannot be created", "is a file"]),
+    ("LoRA target that matches no layer", lambda t: ["--config", str(LORA), "--tiny", "--lora_target_modules", "q_proj",
+                                                      "v_prj"],
+     ["lora.yaml", "`lora_target_modules` ['v_prj'] match no layer", "'v_proj'"]),
     # --- dataset files
     ("bad JSON line", lambda t: data(t, [{"messages": good_turns()}, '{"messages": [oops\n']),
      ["rows.jsonl", "line 2 is not valid JSON", "fix or remove that line"]),
