@@ -253,7 +253,12 @@ def check_rows(dataset: Dataset, source: str) -> None:
     if len(dataset) == 0:
         raise UserError(f"{source}: the split has no rows; point --dataset_name at data with examples.")
     columns = {"messages": ["messages"], "prompt-completion": ["prompt", "completion"], "text": ["text"]}[data_format]
-    for index, row in enumerate(dataset.select_columns(columns)):
+    for index, row in enumerate(dataset):
+        missing = [column for column in columns if row.get(column) is None]
+        if missing:  # rows of several formats in one file: `datasets` fills the other format's columns with None
+            present = sorted(key for key, value in row.items() if value is not None)
+            raise UserError(f"{source}: row {index + 1} has no `{missing[0]}` (it has {present}); the rows are "
+                            f"{data_format} rows, so give every row `{'` and `'.join(columns)}`.")
         problem = _row_problem(row, data_format)
         if problem:
             raise UserError(f"{source}: row {index + 1} {problem}.")

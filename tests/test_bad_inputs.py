@@ -193,6 +193,8 @@ BAD_INPUTS = [
      ["rows.jsonl", "line 2 is not UTF-8", "save the file as UTF-8"]),
     ("empty data file", lambda t: [*TINY, "--dataset_name", str(write(t / "rows.jsonl", "\n"))],
      ["rows.jsonl", "holds no rows"]),
+    ("rows of two formats in one file", lambda t: data(t, [{"messages": good_turns()}, {"prompt": "a", "completion": "b"}]),
+     ["rows.jsonl", "row 2 has no `messages`", "['completion', 'prompt']", "give every row `messages`"]),
     ("prompt without completion column", lambda t: data(t, [{"prompt": "a"}]),
      ["rows.jsonl", "['prompt']", "`prompt` + `completion`"]),
     ("empty conversation", lambda t: data(t, [{"messages": good_turns()}, {"messages": []}]),
