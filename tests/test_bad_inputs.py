@@ -26,8 +26,15 @@ TINY = ["--config", str(FULL), "--tiny"]
 QLORA = ROOT / "recipes" / "llama-3.2-3b" / "qlora.yaml"
 
 
+def with_keys(base: Path, extra: str) -> str:
+    """The recipe's text with the keys of `extra` set to its values (a key set twice is refused in its own case)."""
+    keys = {line.split(":", 1)[0] for line in extra.splitlines() if ":" in line}
+    kept = [line for line in base.read_text().splitlines() if line.split(":", 1)[0] not in keys]
+    return "\n".join(kept) + "\n" + extra + "\n"
+
+
 def recipe_with(tmp_path: Path, base: Path, extra: str) -> Path:
-    return write(tmp_path / "recipe.yaml", base.read_text() + "\n" + extra + "\n")
+    return write(tmp_path / "recipe.yaml", with_keys(base, extra))
 
 
 def dataset_file(tmp_path: Path, rows: list) -> Path:
@@ -141,13 +148,13 @@ BAD_INPUTS = [
      ["recipe.yaml", "unknown key `use_pft`", "spelling"]),
     ("recipe key from another tool", lambda t: ["--tiny", *recipe(t, FULL.read_text() + "\nepochs: 3\n")],
      ["recipe.yaml", "unknown key `epochs`", "remove it"]),
-    ("float field given a word", lambda t: ["--tiny", *recipe(t, FULL.read_text() + "\nlearning_rate: fast\n")],
+    ("float field given a word", lambda t: ["--tiny", *recipe(t, with_keys(FULL, "learning_rate: fast"))],
      ["recipe.yaml", "`learning_rate: fast`", "not a valid float"]),
     ("int field given a float", lambda t: ["--tiny", *recipe(t, FULL.read_text() + "\nmax_steps: 2.5\n")],
      ["recipe.yaml", "`max_steps: 2.5`", "not a valid int"]),
     ("bool field given a word", lambda t: ["--tiny", *recipe(t, FULL.read_text() + "\nuse_peft: maybe\n")],
      ["recipe.yaml", "`use_peft: maybe`", "give it a value of that type"]),
-    ("choice field given an unknown value", lambda t: ["--tiny", *recipe(t, FULL.read_text() + "\nlr_scheduler_type: wiggly\n")],
+    ("choice field given an unknown value", lambda t: ["--tiny", *recipe(t, with_keys(FULL, "lr_scheduler_type: wiggly"))],
      ["recipe.yaml", "lr_scheduler_type", "wiggly"]),
     ("recipe that is a list", lambda t: [*recipe(t, "- model_name_or_path: x\n- use_peft: true\n")],
      ["recipe.yaml", "YAML mapping", "rewrite"]),
