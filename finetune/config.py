@@ -21,6 +21,7 @@ from trl import ModelConfig, ScriptArguments, SFTConfig, TrlParser
 from finetune import checkpoints, compilation, cpu, fp8, tracking
 from finetune.architectures import model_family
 from finetune.config_files import (
+    FSDP_V1_REFUSAL,
     accelerate_config_file,
     read_deepspeed_config,
     read_recipe,
@@ -262,6 +263,8 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
     unknown = [arg for arg in argv if arg.startswith("--") and arg[2:].split("=", 1)[0] not in _known_dests(parser)]
     if unknown:
         raise UserError(f"command line: unknown flag {unknown[0]}; check its spelling with `scripts/sft.py --help`.")
+    if requested_strategy() == "fsdp" and os.environ.get("FSDP_VERSION", "1") != "2":
+        raise UserError(f"{accelerate_config_file()}: {FSDP_V1_REFUSAL}")  # before the CPU shim builds FSDP1's plugin
     deepspeed_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true" and deepspeed_file:
         read_deepspeed_config(deepspeed_file)  # before TrainingArguments reads it and fails with a message of its own

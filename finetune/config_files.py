@@ -135,6 +135,12 @@ def read_deepspeed_config(config_file: str) -> dict:
         raise UserError(f"{config_file}: not valid JSON at line {error.lineno}; fix the syntax there.") from None
 
 
+FSDP_V1_REFUSAL = (  # under both launchers
+    "an FSDP version 1 file (no `fsdp_version: 2` under `fsdp_config`), which accelerate runs with FSDP1's wrappers "
+    "and state dicts; this toolkit trains with FSDP2: use accelerate_configs/fsdp.yaml or add `fsdp_version: 2` with "
+    "FSDP2's fields as that file has them.")
+
+
 def requested_strategy() -> str:
     """What the accelerate config file asked for, from the environment `accelerate launch` sets."""
     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":

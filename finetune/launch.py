@@ -25,6 +25,7 @@ import yaml
 
 from finetune import make_callable
 from finetune.config_files import (
+    FSDP_V1_REFUSAL,
     local_or_shipped,
     parse_overrides,
     read_deepspeed_config,
@@ -58,6 +59,11 @@ def check_accelerate_config(config_file: str) -> str:
             f"{config_file}: `distributed_type: {values['distributed_type']}` is not a type accelerate knows; use "
             f"MULTI_GPU (DDP), FSDP, DEEPSPEED or NO, as the files in accelerate_configs/ do."
         )
+    if values.get("distributed_type") == "FSDP" and (values.get("fsdp_config") or {}).get("fsdp_version") != 2:
+        raise UserError(f"{config_file}: {FSDP_V1_REFUSAL}")
+    for key in ("num_processes", "num_machines"):
+        if key in values and not (isinstance(values[key], int) and values[key] >= 1):
+            raise UserError(f"{config_file}: `{key}: {values[key]}` must be a whole number of at least 1; fix it.")
     deepspeed_file = (values.get("deepspeed_config") or {}).get("deepspeed_config_file")
     if values.get("distributed_type") == "DEEPSPEED" and deepspeed_file:
         read_deepspeed_config(deepspeed_file)
@@ -119,6 +125,10 @@ def accelerate_command(argv: list[str]) -> list[str]:
     for flag in LAUNCHER_FLAGS:
         parser.add_argument(f"--{flag}")
     launcher, sft_args = parser.parse_known_args(argv)
+    for flag in ("num_processes", "num_machines"):
+        value = getattr(launcher, flag)
+        if value is not None and not (value.isdigit() and int(value) >= 1):
+            raise UserError(f"command line: `--{flag} {value}` must be a whole number of at least 1; fix that flag.")
     nothing_configured = not launcher.config_file and not Path(default_config_file()).is_file()
     if launcher.config_file:
         launcher.config_file = check_accelerate_config(launcher.config_file)

@@ -104,6 +104,11 @@ def accelerate_launch(config_builder):
                       str(free_port())]
 
 
+# An FSDP file as `accelerate config` writes it (FSDP version 1)
+FSDP_V1 = ("compute_environment: LOCAL_MACHINE\ndistributed_type: FSDP\nfsdp_config:\n"
+           "  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n  fsdp_sharding_strategy: FULL_SHARD\n"
+           "  fsdp_state_dict_type: SHARDED_STATE_DICT\n  fsdp_use_orig_params: true\nmachine_rank: 0\n"
+           "mixed_precision: 'no'\nnum_machines: 1\nnum_processes: 1\nuse_cpu: true\n")
 LONG_ROW = {"messages": [user("count " * 200), assistant()]}
 DS_AUTO = {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto",
            "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "train_batch_size": "auto"}
@@ -236,6 +241,14 @@ BAD_INPUTS = [
      lambda t: [*TINY, "--gradient_accumulation_steps", "1"],
      ["ds.json", "`gradient_accumulation_steps: 8`", "gradient_accumulation_steps: 1"],
      accelerate_launch(lambda t: accelerate_config(t, {**DS_AUTO, "gradient_accumulation_steps": 8}))),
+    ("FSDP version 1 file (finetune launch)", lambda t: TINY, ["accelerate.yaml", "FSDP version 1", "accelerate_configs/fsdp.yaml"],
+     finetune_launch(FSDP_V1)),
+    ("FSDP version 1 file (accelerate launch)", lambda t: TINY,
+     ["accelerate.yaml", "FSDP version 1", "accelerate_configs/fsdp.yaml"],
+     accelerate_launch(lambda t: write(t / "accelerate.yaml", FSDP_V1))),
+    ("no processes in the accelerate file (finetune launch)", lambda t: TINY,
+     ["accelerate.yaml", "`num_processes: 0`", "at least 1"],
+     finetune_launch((ROOT / "accelerate_configs" / "ddp.yaml").read_text().replace("num_processes: 8", "num_processes: 0"))),
     ("DeepSpeed JSON that is not JSON (finetune launch)", lambda t: TINY, ["ds.json", "not valid JSON", "line"],
      lambda t: [FINETUNE, "launch", "--config_file", str(accelerate_config(t, '{"zero_optimization": {"stage": 2},,}'))]),
     ("DeepSpeed JSON file missing", lambda t: TINY, ["accelerate.yaml", "missing.json", "not found"],

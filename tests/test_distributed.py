@@ -405,7 +405,7 @@ def test_processes_training_as_independent_runs_is_a_setup_problem():
 
 
 @pytest.mark.parametrize("use, values", [
-    ("fsdp", {"ACCELERATE_USE_FSDP": "true"}),
+    ("fsdp", {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}),  # as accelerate launch sets them for fsdp.yaml
     ("zero3", {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": "ds_configs/zero3.json"}),
 ])
 def test_qlora_is_refused_under_sharding_strategies(monkeypatch, tmp_path, use, values):
@@ -413,7 +413,7 @@ def test_qlora_is_refused_under_sharding_strategies(monkeypatch, tmp_path, use, 
     from finetune.errors import UserError
 
     monkeypatch.chdir(ROOT)
-    for name in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_DEEPSPEED_CONFIG_FILE"):
+    for name in ("ACCELERATE_USE_FSDP", "FSDP_VERSION", "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_DEEPSPEED_CONFIG_FILE"):
         monkeypatch.delenv(name, raising=False)
     for name, value in values.items():
         monkeypatch.setenv(name, value)
