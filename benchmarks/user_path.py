@@ -127,16 +127,23 @@ def prepare(work: Path, out: Path, models: set[str]) -> None:
             lengths.write_text(json.dumps(row_lengths(folder, work / "data")))
 
 
-def run_case(name: str, work: Path, out: Path, steps: int, timeout: int, accelerate_config: str) -> dict:
+def launch_command(name: str, work: Path, output_dir: Path, accelerate_config: str, *flags: str) -> list[str]:
+    """`accelerate launch [--config_file ...] scripts/sft.py` with CASE's recipe, model folder and the chat rows,
+    logging every step, evaluating and scoring nothing, with `flags` and the case's own after them."""
     recipe, model, extra = CASES[name]
-    output_dir = work / "out" / name
     config = ["--config_file", str(ROOT / "accelerate_configs" / accelerate_config)] if accelerate_config else []
-    command = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", *config, "--num_processes", "1",
-               str(ROOT / "scripts" / "sft.py"),
-               "--config", str(ROOT / "recipes" / recipe), "--model_name_or_path", str(work / model),
-               "--dataset_name", str(work / "data"), "--max_steps", str(steps), "--logging_steps", "1",
-               "--eval_strategy", "no", "--save_strategy", "no", "--eval_samples_before_after", "0",
-               "--output_dir", str(output_dir), *extra]
+    return [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", *config, "--num_processes", "1",
+            str(ROOT / "scripts" / "sft.py"), "--config", str(ROOT / "recipes" / recipe),
+            "--model_name_or_path", str(work / model), "--dataset_name", str(work / "data"), "--logging_steps", "1",
+            "--eval_strategy", "no", "--eval_samples_before_after", "0", "--output_dir", str(output_dir), *flags,
+            *extra]
+
+
+def run_case(name: str, work: Path, out: Path, steps: int, timeout: int, accelerate_config: str) -> dict:
+    recipe = CASES[name][0]
+    output_dir = work / "out" / name
+    command = launch_command(name, work, output_dir, accelerate_config, "--max_steps", str(steps),
+                             "--save_strategy", "no")
     launched = time.time()
     with open(out / f"{name}.log", "w") as log:
         try:
@@ -162,7 +169,7 @@ def run_case(name: str, work: Path, out: Path, steps: int, timeout: int, acceler
         "peak_memory_gib": record["peak_memory_gib"],
         "compiled_graphs": record["compiled_graphs"],
         "compiled_graphs_per_step": [step["compiled_graphs"] for step in steps_log],
-        "steps": len(steps_log),
+        "steps": record["steps"],
     })
     return result
 
@@ -174,16 +181,10 @@ def sigterm_case(name: str, work: Path, out: Path, wait_for: str, delay: float, 
     until the launcher and every process of its session are gone, and what was saved."""
     import signal
 
-    recipe, model, extra = CASES[name]
     output_dir = work / "out" / f"{name}_sigterm"
     shutil.rmtree(output_dir, ignore_errors=True)
-    config = ["--config_file", str(ROOT / "accelerate_configs" / accelerate_config)] if accelerate_config else []
-    command = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", *config, "--num_processes", "1",
-               str(ROOT / "scripts" / "sft.py"),
-               "--config", str(ROOT / "recipes" / recipe), "--model_name_or_path", str(work / model),
-               "--dataset_name", str(work / "data"), "--max_steps", "200", "--logging_steps", "1",
-               "--eval_strategy", "no", "--save_strategy", "steps", "--save_steps", "1000",
-               "--eval_samples_before_after", "0", "--output_dir", str(output_dir), *extra]
+    command = launch_command(name, work, output_dir, accelerate_config, "--max_steps", "200",
+                             "--save_strategy", "steps", "--save_steps", "1000")
     log_path = out / f"{name}_sigterm_{wait_for.strip(chr(39))}.log"
     with open(log_path, "w") as log:
         launcher = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

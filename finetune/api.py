@@ -79,7 +79,7 @@ def train(config: str | os.PathLike | None = None, **overrides) -> TrainResult:
         training.finish_run(trainer)
     except RunFinished as finished:
         print(f"{FINISHED_PREFIX}{finished}", flush=True)
-        return result_of(str(finished).split(" holds this run's", 1)[0])
+        return result_of(finished.output_dir)
     finally:
         os.environ.clear()
         os.environ.update(environment)

@@ -96,12 +96,9 @@ def checkpoint_problem(folder: Path) -> str | None:
         files = json.loads(marker_file.read_text())["files"]
     except (OSError, ValueError, KeyError, TypeError):
         return f"its completeness marker {MARKER} is unreadable"
-    for name, size in sorted(files.items()):
-        path = folder / name
-        if not path.is_file():
-            return f"{name} is missing"
-        if path.stat().st_size != size:
-            return f"{name} is truncated or changed ({path.stat().st_size} of {size} bytes)"
+    problem = _listed_files_problem(folder, files)
+    if problem:
+        return problem
     names = set(files)
     if not any(name.endswith(".safetensors") or name.startswith(("global_step", "pytorch_model_fsdp")) for name in names):
         return "it holds no weights (no .safetensors file)"
@@ -114,6 +111,17 @@ def checkpoint_problem(folder: Path) -> str | None:
             problem = safetensors_problem(folder / name)
             if problem:
                 return problem
+    return None
+
+
+def _listed_files_problem(folder: Path, files: dict[str, int]) -> str | None:
+    """Why the files a marker lists are not all there at their sizes, or None."""
+    for name, size in sorted(files.items()):
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != size:
+            return f"{name} is truncated or changed ({path.stat().st_size} of {size} bytes)"
     return None
 
 
@@ -168,19 +176,19 @@ def _fsync(path: Path) -> None:
 
 def write_marker(folder: Path, step: int, world_size: int) -> None:
     """Flush every file of a finished checkpoint to disk, then write the marker that says it is complete."""
+    files = _flushed_sizes(folder, folder.rglob("*"), MARKER)
+    marker = {"step": step, "world_size": world_size, "written_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "files": files}
+    write_atomically(folder / MARKER, json.dumps(marker, indent=1) + "\n")
+
+
+def _flushed_sizes(folder: Path, paths, marker: str) -> dict[str, int]:
+    """Each file of `paths` (but the marker and files being written aside) flushed to disk, by its name under folder."""
     files = {}
-    for path in sorted(folder.rglob("*")):
-        if path.is_file() and path.name != MARKER and not path.name.endswith(".tmp"):
+    for path in sorted(paths):
+        if path.is_file() and path.name != marker and not path.name.endswith(".tmp"):
             _fsync(path)
             files[str(path.relative_to(folder))] = path.stat().st_size
-    marker = {"step": step, "world_size": world_size, "written_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "files": files}
-    temporary = folder / (MARKER + ".tmp")
-    with open(temporary, "w") as handle:
-        handle.write(json.dumps(marker, indent=1) + "\n")
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, folder / MARKER)
-    _fsync(folder)
+    return files
 
 
 def write_atomically(path: Path, text: str) -> None:
@@ -198,11 +206,7 @@ def write_final_marker(output_dir: str | Path, step: int, length: dict) -> None:
     """After the final save: flush the output folder's files and write the marker listing them, last and atomically,
     so that a relaunch can tell a finished run (nothing to do) from one whose final save was cut short."""
     folder = Path(output_dir)
-    files = {}
-    for path in sorted(folder.iterdir()):
-        if path.is_file() and path.name != FINAL_MARKER and not path.name.endswith(".tmp"):
-            _fsync(path)
-            files[path.name] = path.stat().st_size
+    files = _flushed_sizes(folder, folder.iterdir(), FINAL_MARKER)
     marker = {"step": step, "length": length, "written_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "files": files}
     write_atomically(folder / FINAL_MARKER, json.dumps(marker, indent=1) + "\n")
 
@@ -215,12 +219,8 @@ def finished_step(output_dir: str | Path, length: dict) -> int | None:
         files, step = marker["files"], int(marker["step"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    if marker.get("length") != length:
+    if marker.get("length") != length or _listed_files_problem(Path(output_dir), files):
         return None
-    for name, size in files.items():
-        path = Path(output_dir) / name
-        if not path.is_file() or path.stat().st_size != size:
-            return None
     return step
 
 

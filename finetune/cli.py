@@ -36,7 +36,9 @@ def number(low: float, high: float = math.inf, low_allowed: bool = True):
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
         if not math.isfinite(value) or value > high or value < low or (value == low and not low_allowed):
-            bounds = f"{'above' if not low_allowed else 'at least'} {low:g}" + (f" and at most {high:g}" if high < math.inf else "")
+            bounds = f"{'at least' if low_allowed else 'above'} {low:g}"
+            if high < math.inf:
+                bounds += f" and at most {high:g}"
             raise argparse.ArgumentTypeError(f"{text} is out of range; give a number {bounds}")
         return value
     return parse
@@ -71,7 +73,8 @@ def add_plan(subparsers) -> None:
     )
     p.add_argument("--config", required=True, help="recipe YAML (recipes/MODEL/METHOD.yaml)")
     p.add_argument("--gpus", type=whole_number(1), default=1, help="GPUs per node")
-    p.add_argument("--nodes", type=whole_number(1), default=1, help="machines (adds the multi-node flags to the command)")
+    p.add_argument("--nodes", type=whole_number(1), default=1,
+                   help="machines (adds the multi-node flags to the command)")
     gpu = p.add_mutually_exclusive_group(required=True)
     gpu.add_argument("--gpu", help="A10, L4, A100-40, A100-80, H100, H200, B200")
     gpu.add_argument("--gpu-memory", type=number(0, low_allowed=False), help="memory of one GPU in GiB")
@@ -135,7 +138,8 @@ def add_chat(subparsers) -> None:
     _add_model_arguments(p)
     p.add_argument("--system", help="a system message that opens every conversation")
     p.add_argument("--temperature", type=number(0), help="0 is greedy (default: the saved generation config)")
-    p.add_argument("--top_p", type=number(0, 1, low_allowed=False), help="nucleus sampling (default: the saved generation config)")
+    p.add_argument("--top_p", type=number(0, 1, low_allowed=False),
+                   help="nucleus sampling (default: the saved generation config)")
     p.set_defaults(func=_run_chat)
 
 

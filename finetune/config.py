@@ -388,10 +388,9 @@ def check_numbers(run: RunConfig, source: str) -> None:
     if training.max_steps <= 0 and not training.num_train_epochs > 0:
         refuse("num_train_epochs", training.num_train_epochs, "trains nothing without a positive max_steps; give a "
                "number of epochs above 0 or set max_steps")
-    if str(training.save_strategy).endswith("STEPS") or str(training.save_strategy) == "steps":
-        if training.save_steps <= 0:
-            refuse("save_steps", training.save_steps, "must be above 0 with save_strategy steps (a fraction below 1 "
-                   "is a share of the run)")
+    if training.save_strategy == "steps" and training.save_steps <= 0:
+        refuse("save_steps", training.save_steps, "must be above 0 with save_strategy steps (a fraction below 1 is "
+               "a share of the run)")
     if model.use_peft:
         if model.lora_r < 1:
             refuse("lora_r", model.lora_r, "is the adapters' rank and must be at least 1")
@@ -504,8 +503,7 @@ def check_output_dir(run: RunConfig) -> None:
         )
     step = checkpoints.finished_step(output_dir, training_length(run.training))
     if step is not None:
-        raise RunFinished(f"{output_dir} holds this run's complete final model (step {step}); nothing was changed. "
-                          f"Pick a new --output_dir to train again, or raise --max_steps to train on.")
+        raise RunFinished(str(output_dir), step)
 
 
 def training_length(training) -> dict:

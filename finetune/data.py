@@ -40,9 +40,7 @@ def _load(name: str, config_name: str | None) -> DatasetDict:
         if path.suffix not in FILE_BUILDERS:
             raise UserError(f"{name}: unsupported dataset file type; use one of {', '.join(FILE_BUILDERS)}.")
         if path.suffix in (".jsonl", ".json", ".csv"):
-            _check_text(path, name)
-        if path.suffix == ".jsonl":
-            _check_json_lines(path, name)
+            _check_text(path, name, json_lines=path.suffix == ".jsonl")
         try:
             return load_dataset(FILE_BUILDERS[path.suffix], data_files=str(path))
         except Exception as error:
@@ -56,9 +54,9 @@ def _load(name: str, config_name: str | None) -> DatasetDict:
         ) from None
 
 
-def _check_text(path: Path, name: str) -> None:
-    """A text data file must be UTF-8 and hold something: name the first line that is not (`datasets` fails deep inside
-    its reader, or while the rows are checked, with a traceback)."""
+def _check_text(path: Path, name: str, json_lines: bool) -> None:
+    """A text data file must be UTF-8, hold something and, as .jsonl, a JSON object on every line that is not blank:
+    name the first line that does not (`datasets` only says the file failed, or fails later with a traceback)."""
     empty = True
     with open(path, "rb") as lines:
         for number, line in enumerate(lines, start=1):
@@ -67,23 +65,22 @@ def _check_text(path: Path, name: str) -> None:
             except UnicodeDecodeError as error:
                 raise UserError(f"{name}: line {number} is not UTF-8 text (its byte {error.start + 1}); save the file "
                                 f"as UTF-8.") from None
-            empty = empty and not text.strip()
+            if not text.strip():
+                continue
+            empty = False
+            if json_lines:
+                _check_json_line(text, number, name)
     if empty:
         raise UserError(f"{name}: the file holds no rows; give a file with at least one row.")
 
 
-def _check_json_lines(path: Path, name: str) -> None:
-    """Name the first line of a .jsonl file that is not a JSON object (`datasets` only says the file failed)."""
-    with open(path, encoding="utf-8", errors="replace") as lines:
-        for number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise UserError(f"{name}: line {number} is not valid JSON ({error.msg}); fix or remove that line.") from None
-            if not isinstance(row, dict):
-                raise UserError(f"{name}: line {number} is not a JSON object; make each line one {{...}} row.")
+def _check_json_line(text: str, number: int, name: str) -> None:
+    try:
+        row = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise UserError(f"{name}: line {number} is not valid JSON ({error.msg}); fix or remove that line.") from None
+    if not isinstance(row, dict):
+        raise UserError(f"{name}: line {number} is not a JSON object; make each line one {{...}} row.")
 
 
 def _first_line(error: Exception) -> str:

@@ -14,6 +14,11 @@ class UserError(Exception):
 class RunFinished(Exception):
     """A relaunch of a run whose final model is complete: said in one line, nothing changed, exit 0."""
 
+    def __init__(self, output_dir: str, step: int):
+        super().__init__(f"{output_dir} holds this run's complete final model (step {step}); nothing was changed. "
+                         f"Pick a new --output_dir to train again, or raise --max_steps to train on.")
+        self.output_dir = output_dir
+
 
 FINISHED_PREFIX = "[finetune] finished already: "
 

@@ -1,7 +1,8 @@
 """The run's speed as the user's clock sees it, written beside the model (`finetune_speed.json`) and said in one line:
 seconds from the process's start to the first optimizer step (loading and compiling included), real (non-padding)
 tokens per second over the whole run and after the warm-up steps, peak GPU memory, and how many graphs the compiler
-built. TRL counts the real tokens (`num_tokens`, every logging step); the benchmarks read this file rather than
+built. TRL counts the real tokens (`num_tokens`, every logging step); the times are taken at the first step and at
+the steps that log, the GPU waited for there; the benchmarks read this file (with `logging_steps: 1`) rather than
 timing steps of their own.
 """
 
@@ -46,6 +47,10 @@ class SpeedRecord(TrainerCallback):
         self.train_begin = time.time()
 
     def on_step_end(self, args, state, control, **kwargs):
+        """The first step, the steps that log (the Trainer's flow callback has decided that by now) and the last:
+        the GPU is waited for only there, not at every step of the run."""
+        if self.steps and not control.should_log and state.global_step < state.max_steps:
+            return
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         self.steps.append({"step": state.global_step, "time": time.time(), "compiled_graphs": compiled_graphs()})
@@ -71,14 +76,16 @@ class SpeedRecord(TrainerCallback):
             "train_begin": self.train_begin,
             "seconds_to_first_step": round(first["time"] - self.started, 2),
             "seconds_to_last_step": round(last["time"] - self.started, 2),
-            "steps": len(self.steps),
+            "steps": last["step"] - first["step"] + 1,
             "compiled_graphs": last["compiled_graphs"],
-            "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available() else None,
+            "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available()
+            else None,
             "step_log": self.steps,
         }
         if counted:
             record["real_tokens"] = counted[-1]["num_tokens"]
-            record["real_tokens_per_s_whole_run"] = round(counted[-1]["num_tokens"] / (counted[-1]["time"] - self.started))
+            seconds = counted[-1]["time"] - self.started
+            record["real_tokens_per_s_whole_run"] = round(counted[-1]["num_tokens"] / seconds)
         if len(steady) >= 2:
             tokens = steady[-1]["num_tokens"] - steady[0]["num_tokens"]
             record["real_tokens_per_s_steady"] = round(tokens / (steady[-1]["time"] - steady[0]["time"]))
