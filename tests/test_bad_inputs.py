@@ -302,6 +302,12 @@ def existing_run(folder: Path, arguments: list[str]) -> Path:
 
 @pytest.mark.parametrize("case", BAD_INPUTS, ids=[case[0] for case in BAD_INPUTS])
 def test_bad_input_is_one_sentence_naming_file_field_and_fix(case, tmp_path, capfd, monkeypatch):
+    check_bad_input(case, tmp_path, capfd, monkeypatch)
+
+
+def check_bad_input(case, tmp_path, capfd, monkeypatch) -> None:
+    """One case of a bad-input table (this file's, or another test file's for its own area): (name, build_args,
+    expected words[, launcher builder]) ends in one sentence with those words, exit 2, nothing changed."""
     name, build_args, expected_words, *config = case
     arguments = build_args(tmp_path)
     output_dir = tmp_path / "existing-run"
