@@ -325,6 +325,48 @@ def save_checkpoint_completely(trainer, save, model, trial=None) -> None:
     trainer.last_save_seconds = time.monotonic() - started
 
 
+FINAL_ASIDE = ".final-save.tmp"  # the final model is written here, then moved into the output folder
+
+
+def save_final_completely(trainer, output_dir: str | Path) -> None:
+    """`trainer.save_model`, written aside and moved into place file by file (renames on one file system): a failed
+    write (a full disk) leaves the output folder as it was and ends in one sentence; a kill during the moves leaves no
+    final marker, so a relaunch redoes the save from the last checkpoint."""
+    output_dir = Path(output_dir)
+    aside = output_dir / FINAL_ASIDE
+    main = trainer.accelerator.is_main_process
+    if main:
+        shutil.rmtree(aside, ignore_errors=True)
+    trainer.accelerator.wait_for_everyone()
+    failure = None
+    try:
+        trainer.save_model(str(aside))
+    except Exception as error:  # a failed write is reported below; anything else is re-raised
+        if save_failure_reason(error, output_dir) is None:
+            raise
+        failure = error
+    if _any_rank(trainer, failure is not None):
+        if main:
+            shutil.rmtree(aside, ignore_errors=True)
+        if failure is None:
+            sys.exit(2)  # another rank failed to write and reports it
+        newest = newest_complete(output_dir)
+        keep = (f"{newest.name} is complete and a relaunch of the same command finishes the save from it without "
+                f"training further" if newest else "no checkpoint was saved (save_strategy), so a relaunch trains again")
+        raise UserError(
+            f"{output_dir}: could not write the final model ({save_failure_reason(failure, output_dir)}); the model "
+            f"files already there are as they were and {keep}; free space or fix the folder's permissions and relaunch."
+        )
+    if main:
+        for path in sorted(aside.iterdir()):
+            target = output_dir / path.name
+            if target.is_dir():
+                shutil.rmtree(target)
+            os.replace(path, target)
+        aside.rmdir()
+    trainer.accelerator.wait_for_everyone()
+
+
 # ---- SIGTERM -----------------------------------------------------------------------------------------------------
 
 

@@ -6,10 +6,13 @@ fix; `scripts/sft.py` prints it and exits non-zero without a traceback.
 
 import argparse
 import contextlib
+import difflib
+import hashlib
 import json
 import math
 import os
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -18,10 +21,11 @@ from typing import Literal
 from torch._functorch import config as functorch_config
 from trl import ModelConfig, ScriptArguments, SFTConfig, TrlParser
 
-from finetune import checkpoints, compilation, cpu, fp8, tracking
+from finetune import accelerate_checks, checkpoints, compilation, cpu, fp8, resume, tracking
 from finetune.architectures import model_family
 from finetune.config_files import (
     FSDP_V1_REFUSAL,
+    RENAMED_KEYS,
     accelerate_config_file,
     read_deepspeed_config,
     read_recipe,
@@ -111,6 +115,11 @@ class FinetuneArguments:
         metadata={"help": "Values the chat template reads, in training rows and sample answers alike, e.g. "
                           "'{\"reasoning_effort\": \"high\"}' for GPT-OSS; a row's own `chat_template_kwargs` win."},
     )
+    chat_template: str | None = field(
+        default=None,
+        metadata={"help": "A Jinja chat template written out in the recipe (alignment-handbook's key), for the "
+                          "tokenizer to render and save; TRL applies it as it applies a `chat_template_path` file."},
+    )
     fp8: bool = field(
         default=False,
         metadata={"help": "Train the linear layers in float8 (torchao, tensorwise scaling; with LoRA the frozen "
@@ -130,6 +139,11 @@ class FinetuneArguments:
         default=True,
         metadata={"help": "MXFP4 checkpoints (openai/gpt-oss-*): dequantize the experts to the training dtype on load. "
                           "Training needs it (4-bit experts carry no gradients)."},
+    )
+    resume_with_new_schedule: bool = field(
+        default=False,
+        metadata={"help": "Resuming with another learning_rate, lr_scheduler_type or warmup: apply them from the "
+                          "resumed step (otherwise such a relaunch is refused: the checkpoint's rate would win)."},
     )
 
     def __post_init__(self):
@@ -152,6 +166,7 @@ class RunConfig:
     explicit_keys: set[str]
     env: dict[str, str] = field(default_factory=dict)
     data_sources: dict = field(default_factory=dict)  # rows taken from each dataset, filled when the data loads
+    data_fingerprint: str | None = None  # the training rows' count and hash (finetune/resume.py), once they load
 
 
 def _flag_error(message: str):
@@ -173,6 +188,84 @@ def _parser() -> TrlParser:
 
 
 
+# Keys of alignment-handbook and TRL recipes that transformers 5 and TRL 1.x no longer read, and why leaving them out
+# changes nothing
+DROPPED_KEYS = {
+    "overwrite_output_dir": "gone from transformers 5: finetune resumes its own run in output_dir and refuses "
+                            "another's",
+    "dataset_batch_size": "gone from TRL 0.18, which said it can be removed",
+}
+# alignment-handbook's `dataset_kwargs`, which ask for what TRL 1.x does with conversations anyway: no special tokens
+# added to a rendered chat, nothing added between packed rows
+HANDBOOK_DATASET_KWARGS = ("add_special_tokens", "append_concat_token")  # both `false` there
+# Keys of other tools' recipes with no setting of that name here, and what to write instead
+FOREIGN_KEY_HINTS = {
+    "use_flash_attention_2": "use `attn_implementation: flash_attention_2`",
+    "dataset_mixer": "alignment-handbook's old mixer: write `dataset_mixture: {datasets: [{id: ..., split: ..., "
+                     "weight: ...}]}`",
+    "dataset_splits": "give each `dataset_mixture` entry its `split`",
+    "num_of_sequences": "gone from TRL 0.18: `max_length` sets the packed length",
+    "chars_per_token": "gone from TRL 0.18: `max_length` sets the packed length",
+    "num_processes": "a launcher setting: pass `--num_processes N` to `finetune launch` or `accelerate launch`",
+    "num_machines": "a launcher setting: pass `--num_machines N` to `finetune launch` or `accelerate launch`",
+    "accelerate_config": "pass that file as `--config_file` to `finetune launch` or `accelerate launch`",
+    "logging_dir": "transformers 5 reads TENSORBOARD_LOGGING_DIR: set it under `env:`",
+    "datasets": "TRL's mixture list: move it under `dataset_mixture:`",
+    "streaming": "finetune loads datasets whole: remove it",
+}
+
+
+def _read_foreign_keys(recipe: dict, recipe_path: str) -> dict:
+    """alignment-handbook's and TRL's recipe keys that mean a setting of finetune's under another shape, in that
+    shape; and those that transformers 5 and TRL 1.x no longer read, left out where that changes nothing. One line
+    says what was read how. The other keys of those recipes are TRL's own (RENAMED_KEYS: read_recipe)."""
+    recipe, notes = dict(recipe), []
+    for key, why in DROPPED_KEYS.items():
+        if key in recipe:
+            del recipe[key]
+            notes.append(f"left out `{key}` ({why})")
+    kwargs = recipe["dataset_kwargs"] if isinstance(recipe.get("dataset_kwargs"), dict) else {}
+    handbook_kwargs = [key for key in HANDBOOK_DATASET_KWARGS if kwargs.get(key) is False]
+    if handbook_kwargs:
+        recipe["dataset_kwargs"] = {key: value for key, value in kwargs.items() if key not in handbook_kwargs} or None
+        notes.append(f"left out `dataset_kwargs` {', '.join(f'{key}: false' for key in handbook_kwargs)} (what "
+                     f"TRL 1.x does with conversations anyway)")
+    if isinstance(recipe.get("datasets"), list) and "dataset_mixture" not in recipe:
+        # TRL's CLI mixes a top-level `datasets:` list (trl.scripts.utils.DatasetMixtureConfig)
+        moved = ["datasets", "test_split_size"] if "test_split_size" in recipe else ["datasets"]
+        recipe["dataset_mixture"] = {key: recipe.pop(key) for key in moved}
+        if recipe.get("streaming") is False:  # TRL's default
+            del recipe["streaming"]
+        notes.append(f"read TRL's {' and '.join(f'`{key}`' for key in moved)} as `dataset_mixture`")
+    if notes and os.environ.get("RANK", "0") == "0":
+        print(f"[finetune] {recipe_path}: {'; '.join(notes)}", flush=True)
+    return recipe
+
+
+def _refuse_unknown_keys(parser: TrlParser, recipe: dict, recipe_path: str) -> None:
+    """Every key the parser does not know, in one sentence, each with the key it likely means: a recipe brought from
+    another project costs one launch to fix, not one per key."""
+    known = {action.dest for action in parser._actions} | {"env"}
+    unknown = [f"`{key}`{_hint(key, known)}" for key in recipe if key not in known]
+    kwargs = recipe.get("dataset_kwargs")
+    if isinstance(kwargs, dict):  # TRL leaves other keys unread without a word
+        unknown += [f"`dataset_kwargs.{key}` (TRL 1.x reads only `skip_prepare_dataset` there)" for key in kwargs
+                    if key != "skip_prepare_dataset"]
+    if len(unknown) == 1:
+        raise UserError(f"{recipe_path}: unknown key {unknown[0]}; remove it or fix its spelling (the keys are the "
+                        f"flags of SFTConfig, ModelConfig, ScriptArguments and finetune's own).")
+    if unknown:
+        raise UserError(f"{recipe_path}: unknown keys {', '.join(unknown)}; remove them or fix their spelling (the "
+                        f"keys are the flags of SFTConfig, ModelConfig, ScriptArguments and finetune's own).")
+
+
+def _hint(key: str, known: set[str]) -> str:
+    if key in FOREIGN_KEY_HINTS:
+        return f" ({FOREIGN_KEY_HINTS[key]})"
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.75)
+    return f" (did you mean `{close[0]}`?)" if close else ""
+
+
 def _coerce_recipe_values(parser: TrlParser, recipe: dict, recipe_path: str) -> dict:
     """Give each recipe value the type argparse would have given it on the command line.
 
@@ -185,12 +278,7 @@ def _coerce_recipe_values(parser: TrlParser, recipe: dict, recipe_path: str) -> 
         if key == "env":
             coerced[key] = value
             continue
-        action = actions.get(key)
-        if action is None:
-            raise UserError(
-                f"{recipe_path}: unknown key `{key}`; remove it or fix its spelling "
-                f"(the keys are the flags of SFTConfig, ModelConfig, ScriptArguments and finetune's own)."
-            )
+        action = actions[key]  # unknown keys are refused before (_refuse_unknown_keys)
         if value is None or action.type is None or isinstance(value, (dict, list)) and action.nargs is None:
             coerced[key] = value
             continue
@@ -253,6 +341,8 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
     if checkpointing == "activation_checkpointing":  # TRL's default on by the new name, so nothing warns
         parser.set_defaults(gradient_checkpointing=None, activation_checkpointing=SFTConfig.gradient_checkpointing)
     if recipe_path:
+        recipe = _read_foreign_keys(recipe, recipe_path)
+        _refuse_unknown_keys(parser, recipe, recipe_path)
         recipe = _coerce_recipe_values(parser, recipe, recipe_path)
         env = {key: str(value) for key, value in (recipe.pop("env", None) or {}).items()}
         parser.set_defaults(**recipe)
@@ -262,7 +352,10 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
 
     unknown = [arg for arg in argv if arg.startswith("--") and arg[2:].split("=", 1)[0] not in _known_dests(parser)]
     if unknown:
-        raise UserError(f"command line: unknown flag {unknown[0]}; check its spelling with `scripts/sft.py --help`.")
+        old_name = unknown[0][2:].split("=", 1)[0]
+        renamed = f" (now --{RENAMED_KEYS[old_name]})" if old_name in RENAMED_KEYS else ""
+        raise UserError(f"command line: unknown flag {unknown[0]}{renamed}; check its spelling with "
+                        f"`scripts/sft.py --help`.")
     if requested_strategy() == "fsdp" and os.environ.get("FSDP_VERSION", "1") != "2":
         raise UserError(f"{accelerate_config_file()}: {FSDP_V1_REFUSAL}")  # before the CPU shim builds FSDP1's plugin
     deepspeed_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
@@ -278,8 +371,12 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
         raise UserError(f"{source}: {_one_sentence(error)}") from None
     if model.lora_target_parameters == ["none"]:  # a list flag cannot be emptied on the command line
         model.lora_target_parameters = None
+    if finetune.chat_template and training.chat_template_path:
+        raise UserError(f"{recipe_path or 'command line'}: `chat_template` and `chat_template_path` both set the chat "
+                        f"template; keep one of them.")
+    _data_of_the_command_line(script, finetune, _flags_given(argv))
     if finetune.tiny:
-        _scale_down_for_tiny(script, training, _flags_given(argv), finetune.dataset_mixture)
+        _scale_down_for_tiny(script, training, finetune, _flags_given(argv))
     return RunConfig(script, training, model, finetune, recipe_path, set(recipe) | _flags_given(argv), env)
 
 
@@ -296,16 +393,84 @@ def apply_to_process(run: RunConfig) -> None:
     if cpu.on_cpu():
         cpu.prepare_cpu_process_group()
     _keep_token_out_of_saved_arguments(run.training)
+    _chat_template_as_file(run)
 
 
-def _scale_down_for_tiny(script: ScriptArguments, training: SFTConfig, flags_given: set[str], mixture=None) -> None:
-    """A tiny model trains on the bundled sample data, in rows of at most TINY_MAX_LENGTH tokens (packed recipes
-    would otherwise put 16k tokens in every CPU step), unless the command line says otherwise."""
-    if "dataset_name" not in flags_given and not Path(script.dataset_name or "").exists() and not mixture:
-        print(f"[finetune] --tiny: training on the bundled {SAMPLE_DATA} instead of {script.dataset_name}", flush=True)
-        script.dataset_name = str(SAMPLE_DATA)
+def _chat_template_as_file(run: RunConfig) -> None:
+    """TRL reads a chat template from a file (`chat_template_path`); alignment-handbook recipes write it out in
+    `chat_template:`. Named after its content, so every process of a launch writes and reads the same file."""
+    template = run.finetune.chat_template
+    if not template:
+        return
+    digest = hashlib.sha256(template.encode("utf-8")).hexdigest()[:16]
+    path = Path(tempfile.gettempdir()) / f"finetune-chat-template-{digest}.jinja"
+    written = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # then renamed: no process reads a half-written file
+    written.write_text(template, encoding="utf-8")
+    os.replace(written, path)
+    run.training.chat_template_path = str(path)
+
+
+def _data_of_the_command_line(script: ScriptArguments, finetune: FinetuneArguments, flags_given: set[str]) -> None:
+    """--dataset_name replaces the recipe's data: its `dataset_mixture` (which would otherwise win) and, for a local
+    file or folder, its `dataset_config` (the name of one of the recipe's hub dataset's configs)."""
+    if "dataset_name" not in flags_given or "dataset_mixture" in flags_given:
+        return
+    finetune.dataset_mixture = None
+    if "dataset_config" not in flags_given and Path(script.dataset_name).expanduser().exists():
+        script.dataset_config = None
+
+
+def _scale_down_for_tiny(script: ScriptArguments, training: SFTConfig, finetune: FinetuneArguments,
+                         flags_given: set[str]) -> None:
+    """A tiny random model stands in for the recipe's, so what belongs to the recipe's model and data goes too, unless
+    the command line sets it: data that are not local files give way to the bundled sample (with its splits, without
+    the recipe's dataset config and column mapping); rows are cut to TINY_MAX_LENGTH tokens (packed recipes would
+    otherwise put 16k tokens in every CPU step); the real vocabulary's special tokens, dataset worker processes
+    sized for the real data and pushes to the recipe's hub repository are dropped. One line says what was replaced."""
+    replaced = []
+    if not {"dataset_name", "dataset_mixture"} & flags_given and not _local_data(script, finetune):
+        replaced.append(f"{_data_named(script, finetune)} with the bundled {SAMPLE_DATA}")
+        script.dataset_name, finetune.dataset_mixture = str(SAMPLE_DATA), None
+        sample_values = [(script, "dataset_config", None), (script, "dataset_train_split", "train"),
+                         (script, "dataset_test_split", "test"), (finetune, "columns", None)]
+        for arguments, key, value in sample_values:
+            if key not in flags_given:
+                setattr(arguments, key, value)
     if "max_length" not in flags_given and (training.max_length or TINY_MAX_LENGTH) > TINY_MAX_LENGTH:
+        replaced.append(f"max_length {training.max_length} with {TINY_MAX_LENGTH}")
         training.max_length = TINY_MAX_LENGTH
+    for key, instead in (("eos_token", "the tiny tokenizer's"), ("pad_token", "the tiny tokenizer's"),
+                         ("dataset_num_proc", "none"), ("push_to_hub", "false (a tiny random model is never pushed)")):
+        if key not in flags_given and getattr(training, key):
+            value = getattr(training, key)
+            replaced.append(f"{key} {str(value).lower() if isinstance(value, bool) else value} with {instead}")
+            setattr(training, key, False if key == "push_to_hub" else None)
+    if replaced:
+        print(f"[finetune] --tiny replaced {', '.join(replaced)}", flush=True)
+
+
+def _mixture_paths(mixture) -> list[str] | None:
+    """The datasets a recipe's `dataset_mixture` names (finetune's `path`, alignment-handbook's `id`), or None when
+    it is not one that data_formats.check_mixture would accept the shape of: that check then names what is wrong."""
+    entries = mixture.get("datasets") if isinstance(mixture, dict) else None
+    paths = [entry.get("path") or entry.get("id") if isinstance(entry, dict) else None for entry in entries or []]
+    return [str(path) for path in paths] if isinstance(entries, list) and paths and all(paths) else None
+
+
+def _local_data(script: ScriptArguments, finetune: FinetuneArguments) -> bool:
+    if finetune.dataset_mixture:
+        paths = _mixture_paths(finetune.dataset_mixture)
+        return paths is None or all(Path(path).expanduser().exists() for path in paths)
+    return bool(script.dataset_name) and Path(script.dataset_name).expanduser().exists()
+
+
+def _data_named(script: ScriptArguments, finetune: FinetuneArguments) -> str:
+    if finetune.dataset_mixture:
+        return f"dataset_mixture ({', '.join(dict.fromkeys(_mixture_paths(finetune.dataset_mixture)))})"
+    if not script.dataset_name:
+        return "no dataset_name"
+    config = f" (config {script.dataset_config})" if script.dataset_config else ""
+    return f"dataset_name {script.dataset_name}{config}"
 
 
 def _keep_token_out_of_saved_arguments(training: SFTConfig) -> None:
@@ -364,10 +529,68 @@ def check(run: RunConfig) -> None:
         )
     check_numbers(run, source)
     tracking.check_installed(run.training, source)
+    check_report_to(run.training, source)
+    check_hub_push(run.training, source)
+    check_chat_template(run, source)
     fp8.check(run, source)
+    accelerate_checks.check_run(run)
     check_deepspeed_agrees(run)
     check_resume_checkpoint(run)
     check_output_dir(run)
+
+
+# transformers' reporting integrations that need a package of their own, and its name on PyPI (mlflow: tracking.py)
+REPORTING_PACKAGES = {"wandb": "wandb", "tensorboard": "tensorboard", "comet_ml": "comet-ml", "neptune": "neptune",
+                      "clearml": "clearml", "dvclive": "dvclive", "codecarbon": "codecarbon", "swanlab": "swanlab",
+                      "trackio": "trackio"}
+
+
+def check_report_to(training, source: str) -> None:
+    """transformers builds the `report_to` callbacks with the Trainer, after the model has loaded, and fails there on
+    an integration it does not know or whose package is missing."""
+    from transformers.integrations import get_available_reporting_integrations
+    from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
+
+    names = [name for name in training.report_to or [] if name not in ("none", "all")]
+    for name in names:
+        if name not in INTEGRATION_TO_CALLBACK:
+            close = difflib.get_close_matches(name, INTEGRATION_TO_CALLBACK, n=1)
+            meant = f"did you mean `{close[0]}`? " if close else ""
+            raise UserError(f"{source}: `report_to: {name}` is no integration transformers knows ({meant}it knows "
+                            f"{', '.join(sorted(INTEGRATION_TO_CALLBACK))}); fix `report_to` or set `report_to: none`.")
+    available = set(get_available_reporting_integrations())
+    missing = [name for name in names if name in REPORTING_PACKAGES and name not in available]
+    if missing:
+        packages = " ".join(REPORTING_PACKAGES[name] for name in missing)
+        whose, it = ("whose package is", "it") if len(missing) == 1 else ("whose packages are", "them")
+        raise UserError(f"{source}: `report_to` names {' and '.join(missing)}, {whose} not installed; `pip install "
+                        f"{packages}`, or remove {it} from report_to (`report_to: none` logs nowhere).")
+
+
+def check_hub_push(training, source: str) -> None:
+    """`push_to_hub: true` creates the hub repository when the Trainer is built, after the model has loaded: offline
+    or without a token that fails there, so it is refused here. (--tiny turns pushing off: _scale_down_for_tiny.)"""
+    if not training.push_to_hub:
+        return
+    if os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE"):  # huggingface_hub's reading
+        raise UserError(f"{source}: `push_to_hub: true` uploads to the hub, and HF_HUB_OFFLINE is set; set "
+                        f"`push_to_hub: false` (upload output_dir later with `hf upload`) or unset HF_HUB_OFFLINE.")
+    from huggingface_hub import get_token
+
+    if get_token() is None:
+        raise UserError(f"{source}: `push_to_hub: true` needs a Hugging Face token and none is set; run `hf auth "
+                        f"login` or set HF_TOKEN, or set `push_to_hub: false`.")
+
+
+def check_chat_template(run: RunConfig, source: str) -> None:
+    """TRL masks the loss to the answers with the template's {% generation %} markers, and fails after loading the
+    model when a template it cannot rewrite has none."""
+    from trl.chat_template_utils import has_generation_markers
+
+    template = run.finetune.chat_template
+    if template and run.training.assistant_only_loss and not has_generation_markers(template):
+        raise UserError(f"{source}: `assistant_only_loss: true` needs {{% generation %}} markers around the answers in "
+                        f"the recipe's `chat_template`, which has none; add them or set `assistant_only_loss: false`.")
 
 
 def check_numbers(run: RunConfig, source: str) -> None:
@@ -426,21 +649,59 @@ DEEPSPEED_RECIPE_KEYS = {
     "gradient_accumulation_steps": "gradient_accumulation_steps",
     "gradient_clipping": "max_grad_norm",
 }
+# A DeepSpeed JSON's own blocks, and the recipe key each would replace: transformers then builds DeepSpeed's optimizer
+# or schedule instead of the recipe's, without a word.
+DEEPSPEED_BLOCKS = {"optimizer": "optim", "scheduler": "lr_scheduler_type"}
 
 
 def check_deepspeed_agrees(run: RunConfig) -> None:
-    """A DeepSpeed JSON that hard-codes a batch size, accumulation or clipping the recipe contradicts."""
+    """A DeepSpeed JSON that hard-codes what the recipe decides (batch size, accumulation, clipping, bf16/fp16, which
+    transformers compares only once the model is loaded), or brings an optimizer or a schedule of its own: every
+    contradiction at once, in one sentence naming both values."""
     config_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true" or not config_file:
         return
     deepspeed = read_deepspeed_config(config_file)
-    for ds_key, recipe_key in DEEPSPEED_RECIPE_KEYS.items():
-        value, wanted = deepspeed.get(ds_key, "auto"), getattr(run.training, recipe_key)
-        if value != "auto" and float(value) != float(wanted):
-            raise UserError(
-                f"{config_file}: `{ds_key}: {value}` contradicts the recipe's `{recipe_key}: {wanted}`; "
-                f"set it to \"auto\" so the recipe decides."
-            )
+    training = run.training
+    values = [f"`{key}: {deepspeed[key]}` contradicts the recipe's `{recipe_key}: {getattr(training, recipe_key)}`"
+              for key, recipe_key in DEEPSPEED_RECIPE_KEYS.items()
+              if not _deepspeed_value_is(deepspeed.get(key, "auto"), getattr(training, recipe_key))]
+    batch = training.per_device_train_batch_size * training.gradient_accumulation_steps * int(
+        os.environ.get("WORLD_SIZE", "1"))
+    if not _deepspeed_value_is(deepspeed.get("train_batch_size", "auto"), batch):
+        values.append(f"`train_batch_size: {deepspeed['train_batch_size']}` is not the recipe's per-device batch "
+                      f"× accumulation × processes, {batch}")
+    asked = accelerate_checks.asked_precision(run)
+    for dtype in ("bf16", "fp16"):
+        enabled = str((deepspeed.get(dtype) or {}).get("enabled", "auto")).lower()
+        if enabled == "auto" or (enabled == "true") == bool(getattr(training, dtype)):
+            continue
+        if (enabled == "true") == (asked == dtype):  # the recipe's precision, which a machine without a GPU replaces
+            values.append(f"`{dtype}.enabled: {enabled}` asks for {dtype}, which this machine without a GPU does "
+                          f"not train in (float32)")
+        else:
+            values.append(f"`{dtype}.enabled: {enabled}` contradicts the recipe's "
+                          f"{f'`{asked}: true`' if asked != 'no' else '`bf16: false`'}")
+    blocks = [f"its `{block}` block ({(deepspeed[block] or {}).get('type')}) would replace the recipe's "
+              f"`{key}: {getattr(getattr(training, key), 'value', getattr(training, key))}`"
+              for block, key in DEEPSPEED_BLOCKS.items() if block in deepspeed]
+    if not values and not blocks:
+        return
+    fixes = ([f"set {'them' if len(values) > 1 else 'it'} to \"auto\""] if values else []) + (
+        [f"delete {'those blocks' if len(blocks) > 1 else 'that block'}"] if blocks else [])
+    raise UserError(f"{config_file}: {_listed(values + blocks)}; {' and '.join(fixes)} so that the recipe decides.")
+
+
+def _deepspeed_value_is(value, wanted) -> bool:
+    """A JSON value agrees with the recipe's when it is "auto" or the same number."""
+    try:
+        return value == "auto" or float(value) == float(wanted)
+    except (TypeError, ValueError):
+        return False
+
+
+def _listed(parts: list[str]) -> str:
+    return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
 
 
 def check_resume_checkpoint(run: RunConfig) -> None:
@@ -489,21 +750,48 @@ def check_output_dir(run: RunConfig) -> None:
             f"{output_dir}: output_dir already holds files that no finetune run wrote; "
             f"pick an empty --output_dir so nothing there is overwritten."
         )
-    try:
-        recorded = json.loads(record_file.read_text())
-    except (OSError, ValueError):  # cut short by a crash before it was written atomically
+    recorded = recorded_run(output_dir)
+    if not recorded:  # cut short by a crash before it was written atomically
         print(f"[finetune] {record_file} is unreadable; taking {output_dir} as this run's folder and writing it "
               f"again.", flush=True)
         recorded = run_identity(run)
-    if recorded != run_identity(run):
-        differing = next(key for key, value in run_identity(run).items() if recorded.get(key) != value)
+    differing = [(key, recorded.get(key), value) for key, value in run_identity(run).items() if recorded.get(key) != value]
+    if differing:
+        changes = ", ".join(f"{key} was {old!r}, now {new!r}" for key, old, new in differing)
         raise UserError(
-            f"{output_dir}: output_dir holds another run ({differing} was {recorded.get(differing)!r}, "
-            f"now {run_identity(run)[differing]!r}); pick a new --output_dir, or relaunch that run to resume it."
+            f"{output_dir}: output_dir holds another run ({changes}); pick a new --output_dir, or relaunch that run "
+            f"to resume it."
         )
     step = checkpoints.finished_step(output_dir, training_length(run.training))
     if step is not None:
         raise RunFinished(str(output_dir), step)
+    checkpoint = resume_checkpoint(run)
+    if checkpoint is not None and isinstance(recorded.get("settings"), dict):
+        resume.check_relaunch(run, recorded["settings"], checkpoint, output_dir)
+
+
+def resume_checkpoint(run: RunConfig) -> Path | None:
+    """The checkpoint this launch would resume from (checked quietly; train.train_and_save announces it)."""
+    requested = run.training.resume_from_checkpoint
+    if requested and str(requested).lower() not in ("true", "1", "yes"):
+        return Path(requested)
+    return checkpoints.newest_complete(run.training.output_dir)
+
+
+def check_data_unchanged(run: RunConfig, train_set) -> None:
+    """Once the rows load (before the model): a checkpoint resumes into the rows it was trained on."""
+    recorded = recorded_run(run.training.output_dir).get("settings") or {}
+    checkpoint = resume_checkpoint(run) if recorded else None
+    resume.check_data_unchanged(run, recorded, checkpoint, Path(run.training.output_dir), train_set)
+
+
+def recorded_run(output_dir: str | Path) -> dict:
+    """The run record of an output folder ({} when there is none or it is unreadable)."""
+    try:
+        recorded = json.loads((Path(output_dir) / RUN_RECORD).read_text())
+    except (OSError, ValueError):
+        return {}
+    return recorded if isinstance(recorded, dict) else {}
 
 
 def training_length(training) -> dict:

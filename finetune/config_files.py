@@ -7,6 +7,7 @@ answer without loading trl or torch.
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import yaml
@@ -70,12 +71,61 @@ def read_yaml_mapping(file: str, kind: str, where_to_find: str) -> dict:
 
 
 def read_recipe(recipe_path: str | Path, overrides: dict | None = None) -> dict:
-    """A recipe's keys as written (TRL's flags plus finetune's own, and an optional `env:` mapping), with `overrides`
-    (from `parse_overrides`) on top."""
+    """A recipe's keys (TRL's flags plus finetune's own, and an optional `env:` mapping), with `overrides` (from
+    `parse_overrides`) on top, each old name of RENAMED_KEYS read as its current one (and said so)."""
     recipe = read_yaml_mapping(local_or_shipped(str(recipe_path)), "recipe", "pass --config with the path of a file under recipes/")
     if not isinstance(recipe.get("env") or {}, dict):
         raise UserError(f"{recipe_path}: `env` must be a mapping of VARIABLE: value lines; rewrite it as one.")
-    return {**recipe, **(overrides or {})}
+    recipe, renamed = with_current_names(recipe, str(recipe_path))
+    overrides, renamed_flags = with_current_names(overrides or {}, "command line")
+    if (renamed or renamed_flags) and os.environ.get("RANK", "0") == "0":
+        # on stderr: `finetune plan --json` prints its plan on stdout
+        print(f"[finetune] {recipe_path}: read {', '.join(renamed + renamed_flags)} (TRL 1.x's and transformers 5's "
+              f"names for the same settings)", file=sys.stderr, flush=True)
+    return {**recipe, **overrides}
+
+
+# Keys that alignment-handbook recipes and older TRL or transformers configs spell differently, for the same setting:
+# refused as unknown, one deleted as told would train with the default instead (1024 tokens for `max_seq_length: 2048`).
+RENAMED_KEYS = {
+    "torch_dtype": "dtype",  # TRL 0.23 (ModelConfig), transformers 5
+    "max_seq_length": "max_length",  # TRL 0.16, the old name gone in 0.20
+    "use_liger": "use_liger_kernel",  # TRL 0.18
+    "evaluation_strategy": "eval_strategy",  # transformers 4.46
+    "warmup_ratio": "warmup_steps",  # transformers 5.2: a warmup_steps below 1 is that share of the steps
+    "no_cuda": "use_cpu",  # transformers 5
+    "per_gpu_train_batch_size": "per_device_train_batch_size",  # transformers 5
+    "per_gpu_eval_batch_size": "per_device_eval_batch_size",  # transformers 5
+    "preprocessing_num_workers": "dataset_num_proc",  # alignment-handbook's recipes before its 2025 rewrite
+}
+# Values renamed for the same behaviour: TRL's "ffd" packing was best-fit decreasing all along (TRL 0.20, #3696)
+RENAMED_VALUES = {"packing_strategy": {"ffd": "bfd"}}
+
+
+def with_current_names(values: dict, source: str) -> tuple[dict, list[str]]:
+    """`values` with each old name of RENAMED_KEYS (and old value of RENAMED_VALUES) replaced by its current one, in
+    place, and what was read as what."""
+    current, renamed = {}, []
+    for key, value in values.items():
+        new = RENAMED_KEYS.get(key)
+        if new is None:
+            current[key] = value
+            continue
+        if new in values and values[new] != value:
+            raise UserError(f"{source}: `{key}: {value}` and `{new}: {values[new]}` are both set, and `{key}` is the "
+                            f"old name of `{new}`; keep one of them.")
+        if key == "warmup_ratio" and isinstance(value, (int, float)) and value >= 1:
+            raise UserError(f"{source}: `warmup_ratio: {value}` warms up for the whole run, and `warmup_steps` (its "
+                            f"name in transformers 5) reads a value of 1 or more as steps; give `warmup_steps` the "
+                            f"number of steps instead.")
+        current[new] = value
+        renamed.append(f"`{key}` as `{new}`")
+    for key, values_renamed in RENAMED_VALUES.items():
+        value = current.get(key)
+        if isinstance(value, str) and value in values_renamed:
+            current[key] = values_renamed[value]
+            renamed.append(f"`{key}: {value}` as `{current[key]}`")
+    return current, renamed
 
 
 def _parse_value(text: str):
@@ -108,11 +158,18 @@ def parse_overrides(argv: list[str]) -> dict:
     return out
 
 
+def _launcher_command_line() -> list[str] | None:
+    """The command line of the process that started this one (`accelerate launch ...`, whose torchrun runs in it)."""
+    try:
+        return Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode().split("\0")[:-1]
+    except OSError:
+        return None
+
+
 def accelerate_config_file() -> str:
     """The --config_file `accelerate launch` was given, read from the launcher's command line, for error messages."""
-    try:
-        launcher_args = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode().split("\0")
-    except OSError:
+    launcher_args = _launcher_command_line()
+    if launcher_args is None:
         return "the accelerate config file"
     for index, arg in enumerate(launcher_args[:-1]):
         if arg == "--config_file":
@@ -122,13 +179,48 @@ def accelerate_config_file() -> str:
     return "the default accelerate config (`accelerate config`)"
 
 
-def read_deepspeed_config(config_file: str) -> dict:
+def accelerate_launch_arguments() -> list[str] | None:
+    """What this process's launcher was given after `accelerate launch`, or None when no accelerate launch started it."""
+    command = _launcher_command_line() or []
+    for index, arg in enumerate(command):
+        after_accelerate = index > 0 and Path(command[index - 1]).name.startswith("accelerate")
+        if arg == "accelerate.commands.launch" or arg == "launch" and after_accelerate:
+            return command[index + 1:]
+    return None
+
+
+# accelerate refuses these fields of an accelerate config file beside a deepspeed_config_file, which holds them
+# (DeepSpeedPlugin._deepspeed_config_checks, accelerate 1.15-1.16), once the training arguments are built.
+FIELDS_NOT_BESIDE_DEEPSPEED_FILE = (
+    "gradient_accumulation_steps", "gradient_clipping", "zero_stage", "offload_optimizer_device",
+    "offload_param_device", "offload_param_nvme_path", "offload_optimizer_nvme_path", "zero3_save_16bit_model",
+    "mixed_precision")
+
+
+def fields_beside_deepspeed_file_refusal(config_file: str, deepspeed_file: str, fields: list[str]) -> UserError:
+    listed = " and ".join(f"`{field}`" for field in fields)
+    return UserError(
+        f"{config_file}: {listed} cannot be set beside `deepspeed_config_file: {deepspeed_file}` (accelerate refuses "
+        f"{'them' if len(fields) > 1 else 'it'} there: the JSON holds those settings); remove "
+        f"{'them' if len(fields) > 1 else 'it'} from that file, the JSON's \"auto\" values follow the recipe.")
+
+
+def read_deepspeed_config(config_file: str, accelerate_file: str | None = None) -> dict:
+    """The DeepSpeed JSON accelerate hands to DeepSpeed (named in `accelerate_file`, by default the launcher's), or a
+    UserError. In a DeepSpeed training process also the accelerate config fields the launcher exported beside it
+    (ACCELERATE_CONFIG_DS_FIELDS): accelerate refuses them with a message of its own when the training arguments are
+    built, which is after this is called."""
     path = Path(local_or_shipped(config_file))
     if not path.is_file():
         raise UserError(
-            f"{accelerate_config_file()}: deepspeed_config_file {config_file} "
-            f"not found; paths are relative to where you launch, so launch from the project root."
+            f"{accelerate_file or accelerate_config_file()}: deepspeed_config_file {config_file} not found; paths are "
+            f"relative to where you launch, so launch from the folder it is relative to (the project root for "
+            f"accelerate_configs/*.yaml) or make it absolute."
         )
+    exported = os.environ.get("ACCELERATE_CONFIG_DS_FIELDS", "").split(",")
+    beside = [field for field in FIELDS_NOT_BESIDE_DEEPSPEED_FILE if field in exported]
+    if beside:
+        raise fields_beside_deepspeed_file_refusal(accelerate_config_file(), config_file, beside)
     try:
         return json.loads(path.read_text())
     except json.JSONDecodeError as error:

@@ -12,8 +12,8 @@ from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel, TrainerCallback
 from trl import SFTTrainer
 
-from finetune import (attention, checkpoints, compilation, expert_lora, fp8, inference, make_callable, patches, speed,
-                      tracking)
+from finetune import (attention, checkpoints, compilation, expert_lora, fp8, inference, make_callable, patches, resume,
+                      speed, tracking)
 from finetune import model as model_loading
 from finetune.config import RUN_RECORD, RunConfig, run_identity, training_length
 from finetune.config_files import accelerate_config_file, requested_strategy
@@ -30,7 +30,8 @@ class SetupMismatch(UserError):
 
 
 def describe_setup(trainer: SFTTrainer) -> dict:
-    """What actually runs: world size, distributed type, the wrapper around the model, and the batch sizes."""
+    """What actually runs: world size, distributed type, the wrapper around the model, the batch sizes, the precision,
+    the optimizer and learning-rate schedule in place (DeepSpeed's own under offload), and what is offloaded."""
     accelerator = trainer.accelerator
     wrapped = trainer.model_wrapped
     setup = {
@@ -41,12 +42,54 @@ def describe_setup(trainer: SFTTrainer) -> dict:
         "global_batch": trainer.args.per_device_train_batch_size
         * trainer.args.gradient_accumulation_steps
         * accelerator.num_processes,
+        "precision": str(accelerator.mixed_precision),
+        "optimizer": _optimizer_name(_innermost(trainer.optimizer, "optimizer")),
+        "lr_schedule": _schedule_name(_innermost(trainer.lr_scheduler, "scheduler"), trainer.args),
+        "offload": _offloaded(accelerator),
     }
     if hasattr(wrapped, "zero_optimization_stage"):
         setup["zero_stage"] = wrapped.zero_optimization_stage()
     setup["dtensor_parameters"] = any(isinstance(parameter, DTensor) for parameter in trainer.model.parameters())
     setup["strategy"] = _strategy_of(setup)
     return setup
+
+
+def _innermost(wrapped, attribute: str):
+    """What accelerate's and DeepSpeed's wrappers hold, through every layer of them (optimizer, ZeRO optimizer, ...)."""
+    while getattr(wrapped, attribute, None) is not None:
+        wrapped = getattr(wrapped, attribute)
+    return wrapped
+
+
+def _optimizer_name(optimizer) -> str:
+    fused = getattr(optimizer, "defaults", {}).get("fused")
+    return type(optimizer).__name__ + (" (fused)" if fused else "")
+
+
+def _schedule_name(scheduler, args) -> str:
+    """The recipe's lr_scheduler_type when transformers built the schedule from it (a LambdaLR), else its class."""
+    from torch.optim.lr_scheduler import LambdaLR
+
+    if isinstance(scheduler, LambdaLR):
+        return str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type))
+    return type(scheduler).__name__
+
+
+def _offloaded(accelerator) -> dict:
+    """What lives in CPU memory instead of the GPU's: ZeRO's optimizer states and parameters, or FSDP2's CPU offload
+    (parameters, gradients and the optimizer step)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    deepspeed = getattr(accelerator.state, "deepspeed_plugin", None)
+    if deepspeed is not None:
+        zero = deepspeed.deepspeed_config.get("zero_optimization", {})
+        devices = {part: (zero.get(f"offload_{key}") or {}).get("device", "none")
+                   for part, key in (("optimizer", "optimizer"), ("parameters", "param"))}
+        return {part: device for part, device in devices.items() if device != "none"}
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    if plugin is not None and isinstance(getattr(plugin, "cpu_offload", None), CPUOffloadPolicy):
+        return {"optimizer": "cpu", "parameters": "cpu"}
+    return {}
 
 
 def _strategy_of(setup: dict) -> str:
@@ -124,6 +167,7 @@ def build_trainer(run: RunConfig, model: PreTrainedModel, tokenizer, train_set, 
     if in_float8 and trainer.accelerator.is_main_process:
         print(f"[finetune] fp8: {len(in_float8)} linear layers train in float8 ({fp8.SCALING} scaling); the LM head, "
               f"embeddings and norms in {str(model.dtype).removeprefix('torch.')}", flush=True)
+    trainer.add_callback(resume.ResumedRun(run.finetune.resume_with_new_schedule, run.training.learning_rate))
     trainer.add_callback(speed.SpeedRecord(run.training.output_dir, trainer.accelerator.is_main_process))
     setup_check = SetupCheck(trainer, accelerate_config_file())
     trainer.add_callback(setup_check)
@@ -142,16 +186,21 @@ def train_and_save(trainer: SFTTrainer, run: RunConfig, tokenizer) -> None:
     if is_main:
         Path(output_dir).mkdir(parents=True, exist_ok=True)
         (Path(output_dir) / checkpoints.FINAL_MARKER).unlink(missing_ok=True)  # training again: not finished now
-        checkpoints.write_atomically(Path(output_dir) / RUN_RECORD, json.dumps(run_identity(run), indent=2) + "\n")
+        record = {**run_identity(run), "settings": resume.settings(run)}
+        checkpoints.write_atomically(Path(output_dir) / RUN_RECORD, json.dumps(record, indent=2) + "\n")
         if run.data_sources:
             checkpoints.write_atomically(Path(output_dir) / DATA_RECORD, json.dumps(run.data_sources, indent=2) + "\n")
     show_answers = run.finetune.sample_prompt and trainer.accelerator.num_processes == 1
     if show_answers:
         before = model_loading.answer(trainer.model, tokenizer, run.finetune.sample_prompt,
                                      chat_template_kwargs=run.finetune.chat_template_kwargs)
-    trainer.train(resume_from_checkpoint=resume_from)
+    try:
+        trainer.train(resume_from_checkpoint=resume_from)
+    except resume.NothingLeftToTrain:
+        print(f"[finetune] {resume_from} is at max_steps: nothing left to train; writing the final model from it.",
+              flush=True)
     checkpoints.exit_if_preempted(trainer)  # SIGTERM: the checkpoint is saved; exit 143 without the final save
-    trainer.save_model(output_dir)
+    checkpoints.save_final_completely(trainer, output_dir)
     trainer.save_state()  # trainer_state.json: the full-precision loss history beside the model
     if is_main:
         losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]

@@ -19,6 +19,7 @@ def prepare(argv: list[str] | None = None):
     model.check_lora_targets(run, model_path)
     train_set, eval_set = data.load_datasets(run.script, run.training, None if run.finetune.truncation else tokenizer,
                                              run.finetune, record=run.data_sources, tokenizer=tokenizer)
+    config.check_data_unchanged(run, train_set)
     trainer = train.build_trainer(run, model.load_model(run, model_path), tokenizer, train_set, eval_set)
     return run, trainer, tokenizer
 

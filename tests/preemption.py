@@ -33,7 +33,7 @@ WEIGHTS = "adapter_model.safetensors"
 # optimizer step), save_weights (the weights file
 # of checkpoint-step half written), save_optimizer (weights written, optimizer not yet), before_marker (every file
 # written, no marker yet), before_rotation (marker written, older checkpoints not yet rotated), enospc / eacces (the
-# optimizer write of checkpoint-step fails). A kill is a SIGKILL of the whole process group: launcher and all ranks.
+# optimizer write of checkpoint-step fails), final_enospc (the final model's write fails once its files are written). A kill is a SIGKILL of the whole process group: launcher and all ranks.
 INJECT = r'''
 import errno, os, runpy, signal, sys
 kind, _, step = os.environ.get("FAULT", "none:0").partition(":")
@@ -98,6 +98,13 @@ if kind in ("save_optimizer", "enospc", "eacces"):
             raise OSError(code, os.strerror(code), os.path.join(output_dir, "optimizer.pt"))
         return original_save_optimizer(self, output_dir)
     Trainer._save_optimizer_and_scheduler = save_optimizer
+if kind == "final_enospc":  # the final model's write runs out of space half way
+    original_save_model = Trainer.save_model
+    def save_model(self, output_dir=None, *args, **kwargs):
+        original_save_model(self, output_dir, *args, **kwargs)
+        if str(output_dir).endswith(checkpoints.FINAL_ASIDE):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.path.join(output_dir, "adapter_model.safetensors"))
+    Trainer.save_model = save_model
 if kind == "before_marker":
     original_write_marker = checkpoints.write_marker
     def write_marker(folder, at_step, world_size):

@@ -11,8 +11,9 @@ import time
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
-from finetune.checkpoints import MARKER, PREEMPTED_EXIT_CODE, checkpoint_problem
+from finetune.checkpoints import FINAL_ASIDE, FINAL_MARKER, MARKER, PREEMPTED_EXIT_CODE, checkpoint_problem
 from finetune.errors import FINISHED_PREFIX
 from tests.helpers import folder_digest, run_sft_in_process
 from tests.preemption import (
@@ -93,6 +94,47 @@ def test_a_final_save_cut_short_is_redone_from_the_last_checkpoint_without_train
     assert launch.wait() == 0, launch.text()[-3000:]
     assert "'loss': " not in launch.text(), "a finished run trained again"
     assert_same_checkpoint(output_dir, reference_single)
+
+
+def test_a_full_disk_at_the_final_save_leaves_the_previous_model_and_the_relaunch_finishes_it(tmp_path, reference_single):
+    """The finished run trained on (max_steps 12 -> 15); its new final model does not fit: the previous final model
+    stays as it was, and the relaunch writes the new one from checkpoint-15 without training again."""
+    output_dir = tmp_path / "out"
+    shutil.copytree(reference_single, output_dir)
+    previous = {name: (output_dir / name).read_bytes() for name in (WEIGHTS, "adapter_config.json")}
+    launch = Launch(tmp_path, 1, output_dir, "--max_steps", "15", fault="final_enospc")
+    assert launch.wait() != 0, launch.text()[-3000:]
+    last = error_line(launch.text())
+    assert "could not write the final model (no space left on the device)" in last, last
+    assert "checkpoint-15 is complete and a relaunch of the same command finishes the save" in last, last
+    assert "Traceback" not in launch.text()
+    assert {name: (output_dir / name).read_bytes() for name in previous} == previous
+    assert not (output_dir / FINAL_ASIDE).exists()
+    relaunched = Launch(tmp_path, 1, output_dir, "--max_steps", "15")
+    assert relaunched.wait() == 0, relaunched.text()[-3000:]
+    assert "'loss': " not in relaunched.text(), "the relaunch trained again"
+    assert "checkpoint-15 is at max_steps: nothing left to train" in relaunched.text()
+    assert (output_dir / FINAL_MARKER).is_file()
+    final, saved = load_file(output_dir / WEIGHTS), load_file(output_dir / "checkpoint-15" / WEIGHTS)
+    assert final.keys() == saved.keys() and all(torch.equal(final[name], saved[name]) for name in final)
+
+
+def test_a_resume_applies_a_new_learning_rate_when_asked_and_the_new_logging_cadence(tmp_path, reference_single):
+    output_dir = copy_run(reference_single, tmp_path / "out")
+    shutil.rmtree(output_dir / "checkpoint-12")
+    shutil.rmtree(output_dir / "checkpoint-9")
+    launch = Launch(tmp_path, 1, output_dir, "--learning_rate", "2e-2", "--resume_with_new_schedule", "true",
+                    "--logging_steps", "2")
+    assert launch.wait() == 0, launch.text()[-3000:]
+    applied = next(line for line in launch.text().splitlines() if "resuming from checkpoint-6 with" in line)
+    assert "`learning_rate` (0.01 -> 0.02)" in applied and "`logging_steps` (1" in applied, applied
+    history = json.loads((output_dir / "trainer_state.json").read_text())["log_history"]
+    reference_rates = {entry["step"]: entry["learning_rate"] for entry in json.loads(
+        (reference_single / "trainer_state.json").read_text())["log_history"] if "learning_rate" in entry}
+    resumed = {entry["step"]: entry["learning_rate"] for entry in history if "learning_rate" in entry and entry["step"] > 6}
+    assert sorted(resumed) == [8, 10, 12], resumed
+    for step, rate in resumed.items():
+        assert rate == pytest.approx(2 * reference_rates[step], rel=1e-6), (step, rate, reference_rates[step])
 
 
 def test_corrupted_checkpoints_are_skipped_with_a_message_and_the_run_resumes_exactly(tmp_path, reference_single):

@@ -1,0 +1,161 @@
+"""A relaunch that would resume a checkpoint with other arguments (finetune/resume.py, the README's "Relaunch and
+resume" table): every field of the table is changed once against a run folder holding a complete checkpoint and the
+run record of the original launch. No model loads here; tests/test_preemption_single.py resumes real runs with a new
+learning rate and cadence and checks that they are applied."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from finetune import checkpoints, config, resume
+from finetune.config import RUN_RECORD, parse_args, run_identity
+from finetune.errors import UserError
+from tests.helpers import ROOT, write
+
+LORA = ["--config", str(ROOT / "recipes" / "llama-3.2-1b" / "lora.yaml"), "--tiny"]
+
+FIXED = [
+    ("lora_r", ["--lora_r", "8"]),
+    ("lora_alpha", ["--lora_alpha", "64"]),
+    ("use_rslora", ["--use_rslora", "true"]),
+    ("use_dora", ["--use_dora", "true"]),
+    ("lora_dropout", ["--lora_dropout", "0.1"]),
+    ("lora_target_modules", ["--lora_target_modules", "q_proj", "v_proj"]),
+    ("lora_modules_to_save", ["--lora_modules_to_save", "lm_head"]),
+    ("dataset_train_split", ["--dataset_train_split", "test"]),
+    ("columns", ["--columns", '{"dialog": "messages"}']),
+    ("max_length", ["--max_length", "128"]),
+    ("packing", ["--packing", "false"]),
+    ("truncation", ["--truncation", "false"]),
+    ("assistant_only_loss", ["--assistant_only_loss", "false"]),
+    ("seed", ["--seed", "7"]),
+    ("data_seed", ["--data_seed", "7"]),
+    ("per_device_train_batch_size", ["--per_device_train_batch_size", "4"]),
+    ("gradient_accumulation_steps", ["--gradient_accumulation_steps", "4"]),
+    ("world_size", []),
+    ("optim", ["--optim", "adamw_torch"]),
+    ("weight_decay", ["--weight_decay", "0.1"]),
+    ("adam_beta1", ["--adam_beta1", "0.8"]),
+    ("adam_beta2", ["--adam_beta2", "0.99"]),
+    ("adam_epsilon", ["--adam_epsilon", "1e-6"]),
+]
+ANOTHER_RUN = [  # what makes it another run altogether: refused even without a checkpoint
+    ("model_name_or_path", ["--model_name_or_path", "meta-llama/Llama-3.2-3B-Instruct"]),
+    ("tiny_width", ["--tiny_width", "32"]),
+    ("dataset_name", ["--dataset_name", str(ROOT / "data" / "sample" / "test.jsonl")]),
+]
+SCHEDULE = [
+    ("learning_rate", ["--learning_rate", "1e-4"]),
+    ("lr_scheduler_type", ["--lr_scheduler_type", "linear"]),
+    ("lr_scheduler_kwargs", ["--lr_scheduler_type", "cosine_with_restarts", "--lr_scheduler_kwargs", '{"num_cycles": 2}']),
+    ("warmup_steps", ["--warmup_steps", "5"]),
+]
+CHANGEABLE = [
+    ("max_steps", ["--max_steps", "20"]),
+    ("num_train_epochs", ["--num_train_epochs", "2"]),
+    ("logging_steps", ["--logging_steps", "5"]),
+    ("logging_strategy", ["--logging_strategy", "epoch"]),
+    ("eval_steps", ["--eval_steps", "50"]),
+    ("eval_strategy", ["--eval_strategy", "no"]),
+    ("save_steps", ["--save_steps", "100"]),
+    ("save_strategy", ["--save_strategy", "epoch"]),
+    ("save_total_limit", ["--save_total_limit", "3"]),
+    ("max_grad_norm", ["--max_grad_norm", "0.5"]),
+    ("gradient_checkpointing", ["--gradient_checkpointing", "true"]),
+    ("eval_samples_before_after", ["--eval_samples_before_after", "4"]),
+    ("sample_prompt", ["--sample_prompt", "Reverse: a b c"]),
+]
+
+
+def run_folder(tmp_path: Path, *extra: str) -> Path:
+    """An output folder as a launch with `extra` leaves it: its run record and one complete checkpoint."""
+    output_dir = tmp_path / "out"
+    run = parse_args([*LORA, *extra, "--output_dir", str(output_dir)])
+    record = {**run_identity(run), "settings": resume.settings(run)}
+    write(output_dir / RUN_RECORD, json.dumps(record))
+    checkpoint = output_dir / "checkpoint-4"
+    checkpoint.mkdir()
+    save_file({"weight": torch.zeros(2)}, str(checkpoint / "adapter_model.safetensors"))
+    write(checkpoint / "trainer_state.json", '{"global_step": 4}')
+    write(checkpoint / "optimizer.pt", "state")
+    checkpoints.write_marker(checkpoint, 4, 1)
+    return output_dir
+
+
+def relaunch(output_dir: Path, *extra: str):
+    run = parse_args([*LORA, *extra, "--output_dir", str(output_dir)])
+    config.check(run)
+    return run
+
+
+@pytest.mark.parametrize("field, flags", FIXED + ANOTHER_RUN, ids=[name for name, _ in FIXED + ANOTHER_RUN])
+def test_a_change_the_checkpoint_cannot_continue_with_is_refused_naming_it(field, flags, tmp_path):
+    output_dir = run_folder(tmp_path)
+    if field == "world_size":  # the checkpoint was written by two processes, the relaunch runs one
+        record = json.loads((output_dir / RUN_RECORD).read_text())
+        record["settings"]["world_size"] = 2
+        write(output_dir / RUN_RECORD, json.dumps(record))
+    with pytest.raises(UserError) as refused:
+        relaunch(output_dir, *flags)
+    sentence = str(refused.value)
+    assert field in sentence and "new --output_dir" in sentence, sentence
+    assert sentence.count(". ") == 0 and sentence.endswith("."), sentence
+
+
+@pytest.mark.parametrize("field, flags", SCHEDULE, ids=[name for name, _ in SCHEDULE])
+def test_a_schedule_change_is_refused_unless_asked_for(field, flags, tmp_path, capsys):
+    output_dir = run_folder(tmp_path)
+    with pytest.raises(UserError) as refused:
+        relaunch(output_dir, *flags)
+    assert field in str(refused.value) and "--resume_with_new_schedule true" in str(refused.value), str(refused.value)
+    relaunch(output_dir, *flags, "--resume_with_new_schedule", "true")
+    assert f"`{field}`" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("field, flags", CHANGEABLE, ids=[name for name, _ in CHANGEABLE])
+def test_a_change_that_a_resume_can_apply_is_printed(field, flags, tmp_path, capsys):
+    output_dir = run_folder(tmp_path)
+    relaunch(output_dir, *flags)
+    printed = capsys.readouterr().out
+    assert f"resuming from checkpoint-4 with `{field}`" in printed, printed
+
+
+def test_every_changed_field_is_named_in_one_sentence(tmp_path):
+    output_dir = run_folder(tmp_path)
+    with pytest.raises(UserError) as refused:
+        relaunch(output_dir, "--lora_r", "8", "--max_length", "128", "--learning_rate", "1e-4")
+    assert "`lora_r` (16 -> 8)" in str(refused.value) and "`max_length` (256 -> 128)" in str(refused.value)
+
+
+def test_the_same_arguments_resume_silently_and_without_a_checkpoint_anything_may_change(tmp_path, capsys):
+    output_dir = run_folder(tmp_path)
+    relaunch(output_dir)
+    assert "resuming from" not in capsys.readouterr().out
+    for folder in output_dir.glob("checkpoint-*"):
+        (folder / checkpoints.MARKER).unlink()  # no complete checkpoint: the relaunch starts over
+    relaunch(output_dir, "--lora_r", "8", "--learning_rate", "1e-4")
+
+
+def test_changed_training_rows_are_refused_once_they_load(tmp_path):
+    rows = (ROOT / "data" / "sample" / "train.jsonl").read_text().splitlines()
+    data = write(tmp_path / "train.jsonl", "\n".join(rows[:40]) + "\n")
+    output_dir = run_folder(tmp_path, "--dataset_name", str(data))
+    run = relaunch(output_dir, "--dataset_name", str(data))
+    from datasets import load_dataset
+
+    def rows_of(path):
+        return load_dataset("json", data_files=str(path), split="train")
+
+    config.check_data_unchanged(run, rows_of(data))  # nothing recorded yet: it only takes the fingerprint
+    record = json.loads((output_dir / RUN_RECORD).read_text())
+    record["settings"]["data_fingerprint"] = run.data_fingerprint
+    write(output_dir / RUN_RECORD, json.dumps(record))
+    copy = write(tmp_path / "restaged" / "train.jsonl", data.read_text())  # the same rows elsewhere still match
+    config.check_data_unchanged(run, rows_of(copy))
+    write(data, "\n".join(rows[:39] + [rows[41]]) + "\n")
+    with pytest.raises(UserError) as refused:
+        config.check_data_unchanged(run, rows_of(data))
+    assert "training rows changed since checkpoint-4" in str(refused.value), str(refused.value)
