@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -42,6 +43,20 @@ def number(low: float, high: float = math.inf, low_allowed: bool = True):
             raise argparse.ArgumentTypeError(f"{text} is out of range; give a number {bounds}")
         return value
     return parse
+
+
+def check_writable_file(path: str, flag: str) -> None:
+    """A file a command writes at its end (answers, a report), checked before any model loads: its folder exists
+    and can be written, and the path is not a folder."""
+    file = Path(path)
+    folder = file.absolute().parent
+    if file.is_dir():
+        raise UserError(f"{path}: a folder, not a file; give {flag} the name of a file to write.")
+    if not folder.is_dir():
+        raise UserError(f"{path}: its folder {folder} does not exist; create it or pick another {flag} (checked "
+                        f"before any answer is generated).")
+    if not os.access(folder, os.W_OK | os.X_OK) or (file.exists() and not os.access(file, os.W_OK)):
+        raise UserError(f"{path}: cannot be written ({folder} is read-only or not yours); pick another {flag}.")
 
 
 def _run_plan(args: argparse.Namespace, extra: list[str]) -> int:
@@ -147,10 +162,7 @@ def _run_generate(args: argparse.Namespace, extra: list[str]) -> int:
     from finetune import inference
 
     prompts = inference.read_prompts(args.prompts)
-    out_folder = Path(args.out).resolve().parent
-    if not out_folder.is_dir():
-        raise UserError(f"{args.out}: its folder {out_folder} does not exist; create it or pick another --out "
-                        f"(checked before any answer is generated).")
+    check_writable_file(args.out, "--out")
     model, tokenizer = inference.load_trained(args.output_dir, args.base, args.device)
     generation = inference.generation_kwargs(args.temperature, args.top_p, args.max_new_tokens)
     answers = inference.generate_answers(model, tokenizer, [turns for _, turns in prompts], args.batch_size, **generation)
@@ -183,12 +195,19 @@ def _run_eval(args: argparse.Namespace, extra: list[str]) -> int:
     if not conversations:
         raise UserError(f"{args.dataset_name}: no rows end in an assistant turn to score; pass conversations "
                         f"(`messages`) or prompt-completion rows.")
+    if args.report is None and not Path(args.output_dir).is_dir():
+        raise UserError(f"{args.output_dir}: not a local folder, so the report has no default place "
+                        f"(OUTPUT_DIR/finetune_eval.json); pass --report FILE, or fix OUTPUT_DIR.")
+    report_file = args.report or str(Path(args.output_dir) / "finetune_eval.json")
+    check_writable_file(report_file, "--report")
+    loadable = [inference.check_trained(args.output_dir, args.base, args.device)]
+    if args.compare:  # checked before the first model is scored, not after
+        loadable.append(inference.check_trained(args.compare, None, args.device, "--compare"))
     scores = {}
-    for name in names:
-        model, tokenizer = inference.load_trained(name, args.base if name == args.output_dir else None, args.device)
+    for name, checked in zip(names, loadable):
+        model, tokenizer = inference.load_checked(checked)
         scores[name] = inference.score(model, tokenizer, conversations, args.batch_size, args.max_new_tokens)
         del model
-    report_file = args.report or str(Path(args.output_dir) / "finetune_eval.json")
     answers = {name: result.pop("answers") for name, result in scores.items()}
     Path(report_file).write_text(json.dumps({
         "dataset": args.dataset_name, "split": args.split, "scores": scores,

@@ -2,14 +2,17 @@
 (`messages`, `prompt`/`completion`, `text`), and every row checked before a model is loaded.
 
 Chat formatting, tokenization, packing and loss masking are TRL's; this module only finds the data and refuses
-rows TRL would silently mis-train on (an empty assistant turn, a conversation that never lets the assistant speak).
+rows TRL would silently mis-train on (an empty assistant turn, a conversation that never lets the assistant speak,
+content that is not text), and counts the rows whose whole answer TRL's truncation would cut away.
 """
 
 import json
 import logging
+import math
 from functools import partial
 from pathlib import Path
 
+import pyarrow.parquet as pq
 from datasets import Dataset, DatasetDict, load_dataset
 from trl import ScriptArguments, SFTConfig
 from trl.data_utils import is_conversational
@@ -26,6 +29,7 @@ ROLES = {"system", "developer", "user", "assistant", "tool"}
 HARMONY_TAGS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>", "<|call|>", "<|constrain|>",
                 "<|startoftext|>", "<|endoftext|>")
 EVAL_FRACTION_WHEN_NO_TEST_SPLIT = 0.05
+NO_ROWS = "{name}: the file holds no rows; give a file with at least one row."
 
 
 def _looks_local(name: str) -> bool:
@@ -41,9 +45,13 @@ def _load(name: str, config_name: str | None) -> DatasetDict:
             raise UserError(f"{name}: unsupported dataset file type; use one of {', '.join(FILE_BUILDERS)}.")
         if path.suffix in (".jsonl", ".json", ".csv"):
             _check_text(path, name, json_lines=path.suffix == ".jsonl")
+        else:
+            _check_parquet(path, name)
         try:
             return load_dataset(FILE_BUILDERS[path.suffix], data_files=str(path))
         except Exception as error:
+            if "corresponds to no data" in str(error):  # `datasets`' words for `[]` in .json, a lone .csv header
+                raise UserError(NO_ROWS.format(name=name)) from None
             raise UserError(f"{name}: cannot be read as {path.suffix} ({_first_line(error)}); fix that line.") from None
     try:
         return load_dataset(str(path) if path.exists() else name, name=config_name)
@@ -67,20 +75,29 @@ def _check_text(path: Path, name: str, json_lines: bool) -> None:
                                 f"as UTF-8.") from None
             if not text.strip():
                 continue
-            empty = False
-            if json_lines:
-                _check_json_line(text, number, name)
+            if not json_lines or _check_json_line(text, number, name):
+                empty = False
     if empty:
-        raise UserError(f"{name}: the file holds no rows; give a file with at least one row.")
+        raise UserError(NO_ROWS.format(name=name))
 
 
-def _check_json_line(text: str, number: int, name: str) -> None:
+def _check_parquet(path: Path, name: str) -> None:
+    try:
+        rows = pq.ParquetFile(path).metadata.num_rows
+    except (OSError, ValueError) as error:  # pyarrow's ArrowInvalid is a ValueError
+        raise UserError(f"{name}: cannot be read as .parquet ({_first_line(error)}); write the file again.") from None
+    if rows == 0:
+        raise UserError(NO_ROWS.format(name=name))
+
+
+def _check_json_line(text: str, number: int, name: str) -> dict:
     try:
         row = json.loads(text)
     except json.JSONDecodeError as error:
         raise UserError(f"{name}: line {number} is not valid JSON ({error.msg}); fix or remove that line.") from None
     if not isinstance(row, dict):
         raise UserError(f"{name}: line {number} is not a JSON object; make each line one {{...}} row.")
+    return row
 
 
 def _first_line(error: Exception) -> str:
@@ -93,9 +110,11 @@ def load_datasets(script: ScriptArguments, training: SFTConfig, length_tokenizer
     With `length_tokenizer` (truncation: false), a row longer than max_length is refused as well. `sources` (finetune's
     arguments) brings `columns:`, `dataset_mixture:` and `chat_template_kwargs:` (given to every conversational row:
     TRL passes a row's `chat_template_kwargs` to the chat template); `record` receives the rows taken from each
-    source. With `tokenizer`, reasoning traces (`thinking`) are checked against what its chat template renders."""
+    source. With `tokenizer`, reasoning traces (`thinking`) are checked against what its chat template renders, and
+    where TRL cuts rows at max_length, rows whose whole answer it would cut away are counted."""
     checks = {"length_tokenizer": length_tokenizer, "max_length": training.max_length, "tokenizer": tokenizer,
-              "chat_template_kwargs": getattr(sources, "chat_template_kwargs", None)}
+              "chat_template_kwargs": getattr(sources, "chat_template_kwargs", None),
+              "answer_tokenizer": tokenizer if length_tokenizer is None and _cuts_rows(training) else None}
     mixture = getattr(sources, "dataset_mixture", None)
     if mixture:
         train, evaluation = _load_mixture(mixture, script, training, checks, record)
@@ -124,8 +143,16 @@ def load_datasets(script: ScriptArguments, training: SFTConfig, length_tokenizer
     return train, evaluation
 
 
+def _cuts_rows(training: SFTConfig) -> bool:
+    """Whether TRL keeps only each row's first max_length tokens: truncation, or packing's best-fit strategy, which
+    truncates what overflows (its other strategies split rows and keep every token)."""
+    if training.max_length is None:
+        return False
+    return not training.packing or getattr(training, "packing_strategy", "bfd") == "bfd"
+
+
 def _checked_split(splits: DatasetDict, name: str, split: str, columns, length_tokenizer, max_length, tokenizer,
-                   chat_template_kwargs) -> Dataset:
+                   chat_template_kwargs, answer_tokenizer) -> Dataset:
     source = f"{name} [{split}]"
     rows = with_chat_template_kwargs(data_formats.to_trl_format(splits[split], source, columns), chat_template_kwargs)
     check_rows(rows, source)
@@ -133,14 +160,15 @@ def _checked_split(splits: DatasetDict, name: str, split: str, columns, length_t
         check_reasoning_traces(rows, source, tokenizer, max_length)
     if length_tokenizer is not None:
         refuse_long_samples(rows, source, length_tokenizer, max_length)
+    if answer_tokenizer is not None:
+        check_answers_survive_truncation(rows, source, answer_tokenizer, max_length)
     return rows
 
 
 def _load_single(script: ScriptArguments, training: SFTConfig, checks: dict, columns):
     if not script.dataset_name:
         raise UserError("recipe: `dataset_name` is not set; give a hub id, a local folder or a .jsonl file.")
-    if columns:
-        columns = data_formats.as_mapping(columns, "recipe", "columns")
+    columns = data_formats.column_choice(columns, "recipe")
     splits = _load(script.dataset_name, script.dataset_config)
     if script.dataset_train_split not in splits:
         raise UserError(
@@ -158,46 +186,75 @@ def _load_mixture(mixture, script: ScriptArguments, training: SFTConfig, checks:
     source's test split, or from a share of its rows set aside before mixing, so it holds every source."""
     mixture = data_formats.check_mixture(mixture, "recipe")
     seed = mixture.get("seed", training.seed)
-    held_out = mixture.get("test_split_size", EVAL_FRACTION_WHEN_NO_TEST_SPLIT)
     wants_eval = training.eval_strategy != "no"
-    train_parts, test_parts = [], []
-    for entry in mixture["datasets"]:
-        splits = _load(entry["path"], entry.get("name"))
-        split = entry.get("split", script.dataset_train_split)
-        test_split = entry.get("test_split", script.dataset_test_split)
-        if split not in splits:
-            raise UserError(
-                f"{entry['path']}: no split named `{split}` (it has {sorted(splits)}); set `split:` of its "
-                f"dataset_mixture entry to one of them."
-            )
-        columns = data_formats.as_mapping(entry["columns"], entry["path"], "columns") if entry.get("columns") else None
-        check = partial(_checked_split, splits, entry["path"], columns=columns, **checks)
-        rows = check(split)
-        if wants_eval and test_split in splits:
-            test = check(test_split)
-        elif wants_eval:
-            parts = rows.train_test_split(test_size=held_out, seed=seed)
-            rows, test = parts["train"], parts["test"]
-        label = f"{entry['path']} [{split}]"
-        train_parts.append((label, rows, entry.get("fraction")))
-        if wants_eval:
-            test_parts.append((label, test, entry.get("fraction")))
-    train, train_counts = data_formats.mix(train_parts, seed, "recipe `dataset_mixture`")
-    test, test_counts = data_formats.mix(test_parts, seed, "recipe `dataset_mixture`") if test_parts else (None, {})
+    sources = [_load_source(entry, script, checks, seed, wants_eval) for entry in mixture["datasets"]]
+    if wants_eval:
+        sources = _with_test_rows(sources, mixture.get("test_split_size", EVAL_FRACTION_WHEN_NO_TEST_SPLIT), seed)
+    train, train_counts = data_formats.mix([(label, rows, fraction) for label, rows, _, fraction in sources], seed,
+                                           "recipe `dataset_mixture`")
+    test, test_counts = (data_formats.mix([(label, test, fraction) for label, _, test, fraction in sources], seed,
+                                          "recipe `dataset_mixture`") if wants_eval else (None, {}))
     if record is not None:
         record.update(train=train_counts, test=test_counts, seed=seed)
     return train, test
 
 
+def _load_source(entry: dict, script: ScriptArguments, checks: dict, seed: int, wants_eval: bool):
+    """One mixture entry: (label, its rows, its test split's rows or None, its fraction)."""
+    splits = _load(entry["path"], entry.get("name"))
+    split = entry.get("split", script.dataset_train_split)
+    test_split = entry.get("test_split", script.dataset_test_split)
+    if split not in splits:
+        raise UserError(
+            f"{entry['path']}: no split named `{split}` (it has {sorted(splits)}); set `split:` of its "
+            f"dataset_mixture entry to one of them."
+        )
+    columns = data_formats.column_choice(entry.get("columns"), entry["path"])
+    check = partial(_checked_split, splits, entry["path"], columns=columns, **checks)
+    label = f"{entry['path']} [{split}]"
+    rows = data_formats.keep_share(check(split), entry.get("weight"), seed, label)
+    test = check(test_split) if wants_eval and test_split in splits else None
+    return label, rows, test, entry.get("fraction")
+
+
+def _with_test_rows(sources: list, size: float, seed: int) -> list:
+    """Sources without a test split set rows aside for it: `test_split_size` is the share of each, or, as a whole
+    number, the test rows wanted in all (alignment-handbook's `test_split_size: 1000`), shared in proportion to the
+    sources' rows (at least one from each, so the test mixture holds every source)."""
+    lengths = [len(rows) for _, rows, test, _ in sources if test is None]
+    counts = iter(_test_row_counts(lengths, size) if isinstance(size, int) and lengths else [])
+    carved = []
+    for label, rows, test, fraction in sources:
+        if test is None:
+            test_size = next(counts) if isinstance(size, int) else math.ceil(size * len(rows))  # as `datasets` rounds
+            if test_size >= len(rows):
+                raise UserError(f"recipe: `dataset_mixture` `test_split_size: {size}` would take all {len(rows)} rows "
+                                f"of {label} for testing; lower test_split_size.")
+            parts = rows.train_test_split(test_size=test_size, seed=seed)
+            rows, test = parts["train"], parts["test"]
+        carved.append((label, rows, test, fraction))
+    return carved
+
+
+def _test_row_counts(lengths: list[int], size: int) -> list[int]:
+    """`size` rows shared in proportion to `lengths`, the largest remainders rounded up, at least one each."""
+    shares = [size * length / sum(lengths) for length in lengths]
+    counts = [int(share) for share in shares]
+    for index in sorted(range(len(shares)), key=lambda index: counts[index] - shares[index])[:size - sum(counts)]:
+        counts[index] += 1
+    return [max(count, 1) for count in counts]
+
+
 def load_split(name: str, split: str, config_name: str | None = None) -> Dataset:
-    """One split of a dataset (hub id, folder or file), its rows checked."""
+    """One split of a dataset (hub id, folder or file), in one of TRL's formats, its rows checked."""
     splits = _load(name, config_name)
     if Path(name).expanduser().is_file():  # a single file is a single split, whatever it is called
         split = next(iter(splits))
     if split not in splits:
         raise UserError(f"{name}: no split named `{split}` (it has {sorted(splits)}); pass --split with one of them.")
-    check_rows(splits[split], f"{name} [{split}]")
-    return splits[split]
+    rows = data_formats.to_trl_format(splits[split], f"{name} [{split}]")
+    check_rows(rows, f"{name} [{split}]")
+    return rows
 
 
 def refuse_long_samples(dataset: Dataset, source: str, tokenizer, max_length: int | None) -> None:
@@ -214,10 +271,61 @@ def refuse_long_samples(dataset: Dataset, source: str, tokenizer, max_length: in
             )
 
 
+def check_answers_survive_truncation(dataset: Dataset, source: str, tokenizer, max_length: int) -> None:
+    """TRL keeps a row's first max_length tokens, so a row whose prompt alone fills them loses its whole answer
+    (TRL drops it when the loss is masked, and it teaches no answer otherwise): a warning counting such rows, and a
+    refusal when no row keeps an answer. Each prompt is rendered and tokenized once, up to its first answer."""
+    if dataset_format(dataset.column_names) not in ("messages", "prompt-completion"):
+        return
+    cut, shortest = [], None
+    for index, row in enumerate(dataset):
+        text, special_tokens = _prompt_text(row, tokenizer)
+        # a token covers at least one byte: a prompt of fewer bytes cannot fill max_length (2 for BOS and the like)
+        length = len(text.encode()) + 2
+        if length >= max_length:
+            length = len(tokenizer(text, add_special_tokens=special_tokens)["input_ids"])
+        if length >= max_length:
+            cut.append(index + 1)
+            shortest = length if shortest is None else min(shortest, length)
+    if cut and len(cut) == len(dataset):
+        raise UserError(
+            f"{source}: every row's prompt fills `max_length: {max_length}` (the shortest is {shortest} tokens), so "
+            f"truncation cuts every answer away and nothing is left to learn; raise max_length above {shortest} or "
+            f"shorten the prompts."
+        )
+    if cut:
+        logger.warning(
+            "%s: %d of %d rows lose their whole answer to truncation at max_length %d (rows %s): their prompt alone "
+            "fills it, so they teach no answer; raise max_length or shorten those rows.",
+            source, len(cut), len(dataset), max_length, _row_list(cut),
+        )
+
+
+def _prompt_text(row: dict, tokenizer) -> tuple[str, bool]:
+    """What comes before the first answer token, as TRL renders it, and whether the tokenizer adds special tokens
+    to it: conversations through the chat template up to the first assistant turn, plain prompts as they are."""
+    template_kwargs = {**_template_kwargs(row), "tools": _tools(row)}
+    if "messages" in row:
+        turns = row["messages"]
+        first_answer = next(position for position, turn in enumerate(turns) if turn["role"] == "assistant")
+        return tokenizer.apply_chat_template(turns[:first_answer], tokenize=False, add_generation_prompt=True,
+                                             **template_kwargs), False
+    if isinstance(row["prompt"], list):
+        return tokenizer.apply_chat_template(row["prompt"], tokenize=False, add_generation_prompt=True,
+                                             **template_kwargs), False
+    return row["prompt"], True
+
+
+def _tools(row: dict):
+    """A row's tool schemas, which TRL gives the chat template (as a list, or JSON text of one)."""
+    tools = row.get("tools")
+    return json.loads(tools) if isinstance(tools, str) else tools
+
+
 def _token_count(row: dict, tokenizer) -> int:
     """Tokens of a row as TRL tokenizes it: the chat template for conversations, plain text plus EOS otherwise."""
     data_format = dataset_format(list(row))
-    template_kwargs = _template_kwargs(row)
+    template_kwargs = {**_template_kwargs(row), "tools": _tools(row)}
     if data_format == "messages":
         return len(tokenizer.apply_chat_template(row["messages"], tokenize=True, return_dict=True,
                                                  **template_kwargs)["input_ids"])
@@ -225,7 +333,8 @@ def _token_count(row: dict, tokenizer) -> int:
         return len(tokenizer(row["text"])["input_ids"]) + 1
     if isinstance(row["prompt"], list):
         turns = row["prompt"] + row["completion"]
-        return len(tokenizer.apply_chat_template(turns, tokenize=True, return_dict=True, **template_kwargs)["input_ids"])
+        return len(tokenizer.apply_chat_template(turns, tokenize=True, return_dict=True,
+                                                 **template_kwargs)["input_ids"])
     return len(tokenizer(row["prompt"] + row["completion"])["input_ids"]) + 1
 
 
@@ -265,28 +374,45 @@ def _row_problem(row: dict, data_format: str) -> str | None:
     if data_format == "messages":
         return _conversation_problem(row["messages"], "messages")
     if data_format == "text":
-        return None if isinstance(row["text"], str) and row["text"].strip() else "has an empty `text`; remove the row"
+        return _not_text(row["text"], "`text`") or (
+            None if row["text"].strip() else "has an empty `text`; remove the row")
     for column in ("prompt", "completion"):
         value = row[column]
         if isinstance(value, list):
             problem = _turns_problem(value, column)
         else:
-            problem = None if isinstance(value, str) and value.strip() else f"has an empty `{column}`; fill it or remove the row"
+            problem = _not_text(value, f"`{column}`") or (
+                None if value.strip() else f"has an empty `{column}`; fill it or remove the row")
         if problem:
             return problem
     return None
 
 
+def _not_text(value, what: str) -> str | None:
+    """What is wrong with a value that must be text: its type and a glimpse of it (a number, a list, a mapping)."""
+    if isinstance(value, str):
+        return None
+    return f"has {what} of type {type(value).__name__} ({str(value)[:40]}), not text; make it a string"
+
+
 def _turns_problem(turns, column: str) -> str | None:
+    if isinstance(turns, (str, dict)):
+        return (f"has a `{column}` that is {'text' if isinstance(turns, str) else 'one mapping'}, not a list of turns; "
+                f"make it a list of {{role, content}} turns")
     if not isinstance(turns, list) or not turns:
         return f"has an empty `{column}` list; give it at least one turn or remove the row"
     for position, turn in enumerate(turns, start=1):
         if not isinstance(turn, dict) or turn.get("role") not in ROLES:
             role = turn.get("role") if isinstance(turn, dict) else turn
             return f"turn {position} of `{column}` has role {role!r}; use one of {sorted(ROLES)}"
-        if not isinstance(turn.get("content"), str) or (turn["role"] == "assistant" and not turn["content"].strip()):
-            return f"turn {position} of `{column}` ({turn['role']}) has empty content; fill it or remove the row"
-        problem = _harmony_problem(turn, f"turn {position} of `{column}` ({turn['role']})")
+        where = f"turn {position} of `{column}` ({turn['role']})"
+        if turn.get("content") is None:
+            return f"{where} has no `content`; fill it or remove the row"
+        if not isinstance(turn["content"], str):
+            return f"{where} {_not_text(turn['content'], 'a `content`')}"
+        if turn["role"] == "assistant" and not turn["content"].strip():
+            return f"{where} has empty content; fill it or remove the row"
+        problem = _harmony_problem(turn, where)
         if problem:
             return problem
     return None
@@ -315,7 +441,8 @@ def _conversation_problem(turns, column: str) -> str | None:
         return f"has no assistant turn in `{column}`, so there is nothing to learn; add one or remove the row"
     for position, (before, role) in enumerate(zip(["start"] + roles, roles), start=1):
         if role == "assistant" and before not in ("user", "tool"):
-            return f"turn {position} of `{column}` is an assistant turn after {before!r}; an assistant answers a user or tool turn"
+            return (f"turn {position} of `{column}` is an assistant turn after {before!r}; an assistant answers a user "
+                    f"or tool turn")
     return None
 
 

@@ -11,6 +11,7 @@ import math
 import re
 import sys
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 from finetune.errors import UserError
@@ -26,35 +27,68 @@ ANSWER_SLACK_TOKENS = 32
 
 
 def _device(device: str | None) -> str:
+    """`--device`, checked against this machine before anything loads; by default cuda when there is a GPU."""
     import torch
 
-    return device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        wanted = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise UserError(f"--device {device}: not a device name; give cpu, cuda or cuda:N.") from None
+    if wanted.type == "cpu":
+        return device
+    here = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    if here is None or here.type != wanted.type:
+        raise UserError(f"--device {device}: this machine has no {wanted.type} device (it has "
+                        f"{here.type if here else 'only the CPU'}); pass --device {here.type if here else 'cpu'}.")
+    if wanted.index is not None and wanted.index >= torch.accelerator.device_count():
+        raise UserError(f"--device {device}: this machine has {torch.accelerator.device_count()} {wanted.type} "
+                        f"devices, numbered from 0; pick one of them.")
+    return device
 
 
-def load_trained(output_dir: str, base: str | None = None, device: str | None = None):
-    """The model and tokenizer of a training run's output folder, ready to generate: bf16 on a GPU, float32 on CPU.
-    A LoRA adapter is loaded on the base model named in its adapter_config.json, or on `base`."""
+@dataclass
+class Loadable:
+    """A model checked to load, its tokenizer loaded: what `load_checked` needs, ready before any weights load."""
+
+    output_dir: str
+    base: str | None  # the base model of a LoRA adapter
+    device: str
+    tokenizer: object
+
+
+def check_trained(output_dir: str, base: str | None = None, device: str | None = None,
+                  flag: str = "OUTPUT_DIR") -> Loadable:
+    """Refuse what cannot load (model.check_model), a tokenizer without a chat template and a device this machine
+    lacks, before any weights load; `flag` names where `output_dir` came from."""
+    from finetune import model as model_loading
+
+    device = _device(device)
+    base = model_loading.check_model(output_dir, flag, base, "--base")
+    tokenizer = model_loading.load_tokenizer(output_dir, assistant_only_loss=True, flag=flag)
+    if not tokenizer.chat_template:
+        raise UserError(f"{output_dir}: its tokenizer has no chat template, and chat, generate and eval talk to a "
+                        f"model through one; give {flag} an instruct model or a trained output folder.")
+    return Loadable(output_dir, base, device, tokenizer)
+
+
+def load_trained(output_dir: str, base: str | None = None, device: str | None = None, flag: str = "OUTPUT_DIR"):
+    """The model and tokenizer of a training run's output folder (or of any model folder or hub id), ready to
+    generate: bf16 on a GPU, float32 on CPU. A LoRA adapter is loaded on the base model named in its
+    adapter_config.json, or on `base`."""
+    return load_checked(check_trained(output_dir, base, device, flag))
+
+
+def load_checked(loadable: Loadable):
+    """The model and tokenizer of a model `check_trained` let through."""
     import torch
     from transformers import AutoModelForCausalLM, Mxfp4Config
 
     from finetune import model as model_loading
     from finetune import mxfp4
 
-    folder = Path(output_dir)
-    if not folder.is_dir():
-        raise UserError(f"{output_dir}: no such folder; pass a training run's output_dir or a model folder.")
-    adapter_config = folder / ADAPTER_CONFIG
-    if adapter_config.is_file():
-        base = base or json.loads(adapter_config.read_text()).get("base_model_name_or_path")
-        if not base:
-            raise UserError(f"{adapter_config}: names no base model (base_model_name_or_path); pass --base MODEL.")
-    elif not (folder / "config.json").is_file():
-        raise UserError(
-            f"{output_dir}: holds neither a model (config.json) nor a LoRA adapter (adapter_config.json); "
-            f"pass a finished training run's output_dir."
-        )
-    weights = base if adapter_config.is_file() else str(folder)
-    device = _device(device)
+    weights, device = loadable.base or loadable.output_dir, loadable.device
     kwargs = {"dtype": torch.bfloat16 if device.startswith("cuda") else torch.float32, "use_safetensors": True}
     if mxfp4.is_mxfp4_checkpoint(weights):
         kwargs["quantization_config"] = Mxfp4Config(dequantize=True)
@@ -65,14 +99,11 @@ def load_trained(output_dir: str, base: str | None = None, device: str | None = 
             f"{weights}: the model could not be loaded ({str(error).splitlines()[0]}); without network pass a local "
             f"model folder (--base for an adapter's base model)."
         ) from None
-    tokenizer = model_loading.load_tokenizer(str(folder), assistant_only_loss=True)
-    model_loading.fix_generation_config(model, tokenizer)
-    if adapter_config.is_file():
-        from peft import PeftModel
-
-        model = PeftModel.from_pretrained(model, str(folder))
+    model_loading.fix_generation_config(model, loadable.tokenizer)
+    if loadable.base:
+        model = model_loading.load_adapter(model, loadable.output_dir, loadable.base, "--base")
     model.eval()
-    return model, tokenizer
+    return model, loadable.tokenizer
 
 
 def answer_text(tokenizer, token_ids, complete: bool = True) -> str:
@@ -126,20 +157,12 @@ def chat(model, tokenizer, system: str | None = None, generation: dict | None = 
     `/reset` starts a new conversation, `/exit` (or the end of the input) quits."""
     import torch
 
-    lines = lines or sys.stdin
     out = out or sys.stdout
     generation = generation or {"max_new_tokens": 256}
     start = [{"role": "system", "content": system}] if system else []
     messages = list(start)
-    interactive = lines.isatty()
     print("[finetune] chat: type a message; /reset starts a new conversation, /exit quits", file=sys.stderr)
-    while True:
-        try:
-            line = input("> ") if interactive else lines.readline()
-        except EOFError:
-            break
-        if not interactive and not line:
-            break
+    for line in _typed_lines(lines or sys.stdin):
         text = line.strip()
         if text == "/exit":
             break
@@ -157,6 +180,26 @@ def chat(model, tokenizer, system: str | None = None, generation: dict | None = 
             output = model.generate(**inputs, streamer=_streamer(tokenizer, out), **_no_router_logits(model), **generation)
         answer = answer_text(tokenizer, output[0, inputs["input_ids"].shape[1] :])
         messages.append({"role": "assistant", "content": answer})
+
+
+def _typed_lines(lines):
+    """The lines of a terminal (with a prompt) or a pipe, up to its end. A pipe is decoded a line at a time, so that
+    a line that is not UTF-8 is named by its number (a text stream decodes ahead, and fails on an earlier line)."""
+    interactive = lines.isatty()
+    binary = None if interactive else getattr(lines, "buffer", None)
+    number = 0
+    while True:
+        number += 1
+        try:
+            line = input("> ") if interactive else (binary.readline().decode() if binary else lines.readline())
+        except EOFError:
+            return
+        except UnicodeDecodeError:
+            raise UserError(f"stdin: line {number} is not UTF-8 text; send UTF-8 (convert with iconv -t UTF-8, or "
+                            f"set the terminal's encoding to UTF-8).") from None
+        if not interactive and not line:
+            return
+        yield line
 
 
 def _no_router_logits(model) -> dict:
@@ -194,6 +237,9 @@ def read_prompts(path: str) -> list[tuple[dict, list[dict]]]:
     """(the row to write back, the conversation to answer) for each prompt of a .jsonl file of `messages` or
     `prompt` rows (a string or a list of turns; a last assistant turn is dropped), or of a text file, a line each."""
     file = Path(path)
+    if file.is_dir():
+        raise UserError(f"{path}: a folder, not a prompts file; pass a .jsonl of `messages` or `prompt` rows, or a "
+                        f"text file with one prompt per line.")
     if not file.is_file():
         raise UserError(f"{path}: prompts file not found; pass a .jsonl of `messages` or `prompt` rows, or a text "
                         f"file with one prompt per line.")
@@ -202,6 +248,9 @@ def read_prompts(path: str) -> list[tuple[dict, list[dict]]]:
     except UnicodeDecodeError as error:
         line = file.read_bytes()[:error.start].count(b"\n") + 1
         raise UserError(f"{path}: line {line} is not UTF-8 text; save the prompts file as UTF-8.") from None
+    except OSError as error:  # no read permission, a broken disk
+        raise UserError(f"{path}: the prompts file cannot be read ({error.strerror}); fix its permissions or pass "
+                        f"another --prompts.") from None
     prompts = []
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
@@ -259,13 +308,20 @@ def token_f1(answer: str, reference: str) -> float:
 
 
 def _training_chat_template(tokenizer) -> str | None:
-    """The template SFTTrainer masks assistant tokens with: the tokenizer's own when it marks them, TRL's training
-    variant otherwise (None: neither, and then the loss falls back to the last assistant turn)."""
+    """The template SFTTrainer masks assistant tokens with under `assistant_only_loss`: the tokenizer's own when it
+    marks them, else our Llama 3.2 one or TRL's training variant (None: none exists, and then the loss falls back to
+    the last assistant turn). A run with `assistant_only_loss: false` keeps the plain template, so it is looked up
+    here too: its held-out scores count the same tokens as `finetune eval`'s."""
     from trl.chat_template_utils import get_training_chat_template, has_generation_markers
+
+    from finetune.model import marked_llama_template
 
     if has_generation_markers(tokenizer.chat_template):
         return tokenizer.chat_template
-    return get_training_chat_template(tokenizer)
+    try:
+        return marked_llama_template(tokenizer.chat_template) or get_training_chat_template(tokenizer)
+    except ValueError:  # TRL knows no training variant of this template
+        return None
 
 
 def _labelled(tokenizer, turns: list[dict], template: str | None) -> tuple[list[int], list[int]]:

@@ -6,7 +6,9 @@ then hand over to `accelerate launch ... scripts/sft.py` with it.
 `accelerate launch` reads its config file before any of our code runs, so a typo there (broken YAML, an unknown
 `distributed_type`, a misspelled key, a missing DeepSpeed JSON) ends in accelerate's own traceback. Here the same file
 is read first with accelerate's own loader and every problem becomes one sentence naming the file, the field and the
-fix, with exit code 2. Everything after the launcher flags goes to scripts/sft.py unchanged.
+fix, with exit code 2; so does a field this toolkit would not run as asked (finetune/accelerate_checks.py, which every
+training process runs again against the recipe). Everything after the launcher flags goes to scripts/sft.py unchanged.
+A run a SIGTERM stopped exits 143 (see `run_and_report`).
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ def check_accelerate_config(config_file: str) -> str:
             raise UserError(f"{config_file}: `{key}: {values[key]}` must be a whole number of at least 1; fix it.")
     deepspeed_file = (values.get("deepspeed_config") or {}).get("deepspeed_config_file")
     if values.get("distributed_type") == "DEEPSPEED" and deepspeed_file:
-        read_deepspeed_config(deepspeed_file)
+        read_deepspeed_config(deepspeed_file, config_file)
     try:
         load_config_from_file(config_file)
     except ValueError as error:
@@ -139,13 +141,19 @@ def accelerate_command(argv: list[str]) -> list[str]:
         launcher.num_processes = launcher.num_processes or (processes if launcher.config_file else None)
     accelerate = Path(sys.executable).with_name("accelerate")
     command = [str(accelerate), "launch"] if accelerate.is_file() else [sys.executable, "-m", "accelerate.commands.launch"]
-    command.append("--quiet")  # a failed run ends with its own error, not the launcher's traceback repeating it
+    arguments = ["--quiet"]  # a failed run ends with its own error, not the launcher's traceback repeating it
     for flag in LAUNCHER_FLAGS:
         if getattr(launcher, flag) is not None:
-            command += [f"--{flag}", str(getattr(launcher, flag))]
+            arguments += [f"--{flag}", str(getattr(launcher, flag))]
     if nothing_configured and not launcher.config_file:
-        command += _values_accelerate_would_warn_about(launcher.num_processes, int(launcher.num_machines or 1))
-    return [*command, str(SFT_SCRIPT), *sft_args]
+        arguments += _values_accelerate_would_warn_about(launcher.num_processes, int(launcher.num_machines or 1))
+    arguments += [str(SFT_SCRIPT), *sft_args]
+    from finetune import accelerate_checks  # torch: only once the config file reads
+
+    request = accelerate_checks.request_from_command(arguments, default_config_file())
+    if request is not None:  # else accelerate says what is wrong with the command itself
+        accelerate_checks.check_request(request, int(request.value("num_processes") or 1))  # notes: in training
+    return [*command, *arguments]
 
 
 def _values_accelerate_would_warn_about(processes: str | None, machines: int) -> list[str]:
@@ -164,12 +172,15 @@ def _values_accelerate_would_warn_about(processes: str | None, machines: int) ->
 
 ERROR_PREFIX = "error: "  # how finetune.errors.report prints a user mistake
 SAVED_PREFIX = "[finetune] saved to "
+PREEMPTED_PREFIX = "[finetune] SIGTERM"  # how finetune.checkpoints says a SIGTERM stopped the run, which exits 143
 
 
 def run_and_report(command: list[str]) -> tuple[int, str | None, str | None]:
     """Run `accelerate launch ...`, its output shown as it comes; once a process has printed a user mistake's one
     sentence, what the launcher prints after it (the other ranks stopping, torch's failure report) is held back.
-    Returns the exit code, that sentence, and the folder the run saved to."""
+    Returns the exit code, that sentence, and the folder the run saved to. The exit code of a run a SIGTERM stopped
+    is 143, whatever the launcher made of it: accelerate 1.15 exits 1 after its torchrun re-raises the signal, and
+    accelerate 1.15-1.16 exit 1 when only the training processes were signalled."""
     child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     found: dict[str, str] = {}
 
@@ -196,8 +207,8 @@ def run_and_report(command: list[str]) -> tuple[int, str | None, str | None]:
         if pending and not found.get(ERROR_PREFIX):
             target.write(pending.decode(errors="replace"))
 
-    readers = [threading.Thread(target=copy, args=(child.stdout, sys.stdout, (SAVED_PREFIX, FINISHED_PREFIX), False),
-                                daemon=True),
+    readers = [threading.Thread(target=copy, args=(child.stdout, sys.stdout,
+                                                   (SAVED_PREFIX, FINISHED_PREFIX, PREEMPTED_PREFIX), False), daemon=True),
                threading.Thread(target=copy, args=(child.stderr, sys.stderr, (ERROR_PREFIX,), True), daemon=True)]
     for reader in readers:
         reader.start()
@@ -214,6 +225,10 @@ def run_and_report(command: list[str]) -> tuple[int, str | None, str | None]:
             signal.signal(signal.SIGTERM, previous)
         for reader in readers:
             reader.join(timeout=10)
+    if code != 0 and PREEMPTED_PREFIX in found:
+        from finetune.checkpoints import PREEMPTED_EXIT_CODE  # transformers: only once a run has ended
+
+        code = PREEMPTED_EXIT_CODE
     finished = found.get(FINISHED_PREFIX, "").split(" holds this run's", 1)[0] or None
     return code, found.get(ERROR_PREFIX), found.get(SAVED_PREFIX) or finished
 

@@ -1,24 +1,72 @@
-"""Merge a trained LoRA adapter into its base model, giving a folder that loads without peft."""
+"""Merge a trained LoRA adapter into its base model, giving a folder that loads without peft.
 
-import json
+Everything that can be refused is refused before the base model loads (the output folder, the adapter, its base);
+the merged model is written aside and renamed into place, so a failed write leaves no half-written folder.
+"""
+
+import os
+import shutil
 from pathlib import Path
 
-from peft import PeftModel
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, Mxfp4Config
 
+from finetune import checkpoints, mxfp4
 from finetune.errors import UserError
+from finetune.model import ADAPTER_CONFIG, check_model, load_adapter
 
 
 def merge_adapter(adapter_dir: str, output_dir: str, base_model: str | None = None) -> Path:
-    adapter_config = Path(adapter_dir) / "adapter_config.json"
-    if not adapter_config.is_file():
-        raise UserError(f"{adapter_dir}: no adapter_config.json, so it is not a LoRA output; pass a LoRA run's output_dir.")
     output = Path(output_dir)
-    if output.exists() and any(output.iterdir()):
-        raise UserError(f"{output_dir}: already holds files; pass an empty or new folder to write the merged model.")
-    base_model = base_model or json.loads(adapter_config.read_text())["base_model_name_or_path"]
-    base = AutoModelForCausalLM.from_pretrained(base_model, dtype="auto")
-    merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
-    merged.save_pretrained(output)
-    AutoTokenizer.from_pretrained(adapter_dir).save_pretrained(output)
+    check_output_folder(output)
+    base_model = check_model(adapter_dir, "ADAPTER_DIR", base_model, "--base_model")
+    if base_model is None:
+        raise UserError(f"{adapter_dir}: no {ADAPTER_CONFIG}, so it is not a LoRA output; pass a LoRA run's "
+                        f"output_dir.")
+    kwargs = {"dtype": "auto", "use_safetensors": True}
+    if mxfp4.is_mxfp4_checkpoint(base_model):  # LoRA merges into dequantized experts only
+        kwargs["quantization_config"] = Mxfp4Config(dequantize=True)
+    try:
+        base = AutoModelForCausalLM.from_pretrained(base_model, **kwargs)
+    except OSError as error:
+        raise UserError(f"{base_model}: the base model could not be loaded ({str(error).splitlines()[0]}); without "
+                        f"network pass a local copy of it with --base_model.") from None
+    merged = load_adapter(base, adapter_dir, base_model, "--base_model").merge_and_unload()
+
+    def save(folder: Path) -> None:
+        merged.save_pretrained(folder)
+        AutoTokenizer.from_pretrained(adapter_dir).save_pretrained(folder)
+
+    write_aside(output, save)
     return output
+
+
+def check_output_folder(output: Path) -> None:
+    """The merged model's folder: new or empty, and creatable and writable where it is to be."""
+    if output.is_file():
+        raise UserError(f"{output}: a file, not a folder; pass a new or empty folder to write the merged model to.")
+    if output.is_dir() and any(output.iterdir()):
+        raise UserError(f"{output}: already holds files; pass an empty or new folder to write the merged model.")
+    parent = output.absolute().parent  # the merged model is written beside the folder, then renamed to it
+    existing = next(folder for folder in (parent, *parent.parents) if folder.exists())
+    if not existing.is_dir():
+        raise UserError(f"{output}: cannot be created because {existing} is a file; pick another output folder.")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"{output}: cannot be written ({existing} is read-only or not yours); pick an output folder "
+                        f"you can write to.")
+
+
+def write_aside(output: Path, save) -> None:
+    """`save(folder)` into a new folder beside `output`, then renamed to it (an empty `output` is replaced)."""
+    aside = output.parent / f".{output.name}.partial"
+    shutil.rmtree(aside, ignore_errors=True)  # left by a merge that was killed
+    try:
+        aside.mkdir(parents=True)
+        save(aside)
+        aside.replace(output)
+    except Exception as error:
+        shutil.rmtree(aside, ignore_errors=True)
+        reason = checkpoints.save_failure_reason(error, output.parent)
+        if reason is None:
+            raise
+        raise UserError(f"{output}: the merged model could not be written ({reason}); nothing was left there; free "
+                        f"space or fix the folder's permissions and merge again.") from None

@@ -1,8 +1,11 @@
 """Tokenizer, model and LoRA config for a run: a hub id, a local folder, or (with --tiny) a tiny random model of the
-recipe's family written to a local folder, so that all three load through the same `from_pretrained` call.
+recipe's family written to a local folder, so that all three load through the same `from_pretrained` call; and the
+check every command makes of a model before loading it (`check_model`).
 """
 
+import json
 import logging
+import re
 import warnings
 from pathlib import Path
 
@@ -13,9 +16,9 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Gener
                           PreTrainedModel)
 from trl import get_peft_config, get_quantization_config
 
-from finetune import attention, cpu, mxfp4, tiny
+from finetune import attention, checkpoints, cpu, mxfp4, tiny
 from finetune.architectures import model_family
-from finetune.config import RunConfig
+from finetune.config import RUN_RECORD, RunConfig
 from finetune.config_files import requested_strategy
 from finetune.errors import UserError
 
@@ -29,26 +32,205 @@ LLAMA_3_2_TRAINING_TEMPLATE = Path(__file__).parent / "chat_templates" / "llama3
 
 
 def resolve_model_path(run: RunConfig) -> str:
-    """The folder or hub id to load: the recipe's model, or its tiny stand-in under --tiny."""
+    """The folder or hub id to load, checked (`check_model`): the recipe's model, or its tiny stand-in under --tiny."""
     name = run.model.model_name_or_path
-    return str(tiny.tiny_model_folder(model_family(name), run.finetune.tiny_width)) if run.finetune.tiny else name
+    if run.finetune.tiny:
+        return str(tiny.tiny_model_folder(model_family(name), run.finetune.tiny_width))
+    check_model(name, "--model_name_or_path", revision=run.model.model_revision)
+    return name
 
 
-def load_tokenizer(model_path: str, assistant_only_loss: bool):
+# ---- Checking a model before it loads ----------------------------------------------------------------------------
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+WEIGHTS, WEIGHTS_INDEX = "model.safetensors", "model.safetensors.index.json"
+# The JSON files from_pretrained reads: an empty or cut one fails deep in transformers or tokenizers with a traceback
+JSON_FILES = ("config.json", "generation_config.json", "tokenizer_config.json", "special_tokens_map.json",
+              "tokenizer.json", WEIGHTS_INDEX, ADAPTER_CONFIG)
+REMAKE = "re-download the model or re-save it with save_pretrained"
+REMAKE_ADAPTER = "re-save the adapter with save_pretrained, or pass one of its run's complete checkpoint-N folders"
+
+
+def check_model(name: str, flag: str, base: str | None = None, base_flag: str | None = None,
+                revision: str | None = None) -> str | None:
+    """Refuse before loading, in one sentence naming the file and the fix, a model that cannot load: a path that is
+    no folder, a hub id missing from the offline cache, a damaged folder (its JSON files, its weights), a training
+    run without its final model, or a LoRA adapter whose base model is any of these. Reads the JSON files and the
+    weights' headers, nothing more. Returns the base model an adapter folder loads on (`base`, else its adapter_config.json's); None for a model."""
+    problem = model_problem(name, flag, revision)
+    if problem:
+        raise UserError(problem)
+    adapter_config = Path(name).expanduser() / ADAPTER_CONFIG
+    if not adapter_config.is_file():
+        return None
+    base = base or json.loads(adapter_config.read_text(encoding="utf-8")).get("base_model_name_or_path")
+    if not base or not isinstance(base, str):
+        fix = f"pass {base_flag} MODEL" if base_flag else "set it to the base model's folder or hub id"
+        raise UserError(f"{adapter_config}: names no base model (base_model_name_or_path); {fix}.")
+    problem = _adapter_weights_problem(adapter_config.parent)
+    if problem:
+        raise UserError(problem)
+    problem = model_problem(base, base_flag or f"base_model_name_or_path in {ADAPTER_CONFIG}")
+    if problem:
+        raise UserError(f"{adapter_config}: its base model cannot be loaded: {problem}")
+    return base
+
+
+def model_problem(name: str, flag: str, revision: str | None = None) -> str | None:
+    """Why a model folder or hub id cannot load, as one sentence naming the file and the fix; None when it can."""
+    folder = Path(name).expanduser()
+    if folder.is_file():
+        return f"{name}: a file, not a model folder; pass the folder that holds the model to {flag}."
+    if folder.is_dir():
+        return _folder_problem(folder, flag)
+    return _hub_problem(name, flag, revision)
+
+
+def _hub_problem(name: str, flag: str, revision: str | None) -> str | None:
+    """A name that is no hub id either, or (offline) a hub model missing from the cache or damaged there."""
+    from huggingface_hub import constants, try_to_load_from_cache
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return f"{name}: no such folder; pass a model folder or a hub id to {flag}."
+    if not constants.HF_HUB_OFFLINE:
+        return None  # downloaded as it loads; the loader's own error names a hub id that does not exist
+    cached = try_to_load_from_cache(name, "config.json", revision=revision)
+    if not isinstance(cached, str):
+        return (f"{name}: no such folder, and no hub model of that id is in the local cache while HF_HUB_OFFLINE is "
+                f"set; download it where there is network (`hf download {name}`) or pass a local model folder to "
+                f"{flag}.")
+    return _folder_problem(Path(cached).parent, flag)
+
+
+def _folder_problem(folder: Path, flag: str) -> str | None:
+    if (folder / RUN_RECORD).is_file() and not (folder / checkpoints.FINAL_MARKER).is_file():
+        newest = checkpoints.newest_complete(folder)
+        instead = f"use its newest complete checkpoint {newest} instead, or " if newest else ""
+        return (f"{folder}: this training run has no complete final model (no {checkpoints.FINAL_MARKER}: training "
+                f"is still running, was stopped, or its final save was cut short); {instead}relaunch the training "
+                f"command to finish it.")
+    problem = next(filter(None, (_json_problem(folder / name) for name in JSON_FILES)), None)
+    if problem or (folder / ADAPTER_CONFIG).is_file():
+        return problem  # an adapter's weights and base are checked once its base is known
+    if not (folder / "config.json").is_file():
+        return (f"{folder}: holds neither a model (config.json) nor a LoRA adapter (adapter_config.json); pass a model "
+                f"folder or a finished training run's output_dir to {flag}.")
+    return _config_problem(folder) or _weights_problem(folder)
+
+
+def _json_problem(path: Path) -> str | None:
+    if not path.is_file():
+        return None
+    try:
+        text = path.read_text(encoding="utf-8")
+        value = json.loads(text)
+    except UnicodeDecodeError:
+        what = "not UTF-8 text"
+    except ValueError as error:
+        what = "empty" if not text.strip() else f"not valid JSON ({error.msg} at line {error.lineno})"
+    else:
+        if isinstance(value, dict):
+            return None
+        what = f"a JSON {type(value).__name__}, not an object"
+    return f"{path}: {what}, so it was cut short or damaged; {REMAKE_ADAPTER if path.name == ADAPTER_CONFIG else REMAKE}."
+
+
+def _config_problem(folder: Path) -> str | None:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    settings = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    model_type = settings.get("model_type")
+    if "auto_map" in settings:
+        return None  # the model's own code: loading refuses it without trust_remote_code
+    if model_type is None:  # save_pretrained always writes it: a config.json without it is not a whole one
+        return f"{folder / 'config.json'}: names no `model_type`, so transformers cannot tell the model; {REMAKE}."
+    if model_type not in CONFIG_MAPPING:
+        import transformers
+
+        return (f"{folder / 'config.json'}: `model_type: {model_type}` is unknown to transformers "
+                f"{transformers.__version__}; upgrade transformers if the model is newer, else {REMAKE}.")
+    return None
+
+
+def _weights_problem(folder: Path) -> str | None:
+    """A full model's safetensors weights: there, listed by the index if sharded, each complete."""
+    index = folder / WEIGHTS_INDEX
+    if index.is_file():
+        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            return f"{index}: lists no weights (`weight_map`); {REMAKE}."
+        shards = sorted(set(map(str, weight_map.values())))
+    elif (folder / WEIGHTS).is_file():
+        shards = [WEIGHTS]
+    else:
+        pickled = sorted(path.name for path in folder.glob("*.bin"))
+        found = f"only {', '.join(pickled)}, which this toolkit never unpickles" if pickled else "no weights"
+        return f"{folder}: holds {found} (no {WEIGHTS} or {WEIGHTS_INDEX}); {REMAKE} (it writes safetensors)."
+    for shard in shards:
+        if not (folder / shard).is_file():
+            return f"{index}: lists {shard}, which is missing; {REMAKE}."
+        problem = checkpoints.safetensors_problem(folder / shard)
+        if problem:
+            return f"{folder}/{problem}; {REMAKE}."
+    return None
+
+
+def _adapter_weights_problem(folder: Path) -> str | None:
+    weights = next((folder / name for name in ADAPTER_WEIGHTS if (folder / name).is_file()), None)
+    if weights is None:
+        return f"{folder}: holds no adapter weights ({ADAPTER_WEIGHTS[0]}); {REMAKE_ADAPTER}."
+    problem = checkpoints.safetensors_problem(weights) if weights.suffix == ".safetensors" else None
+    return f"{folder}/{problem}; {REMAKE_ADAPTER}." if problem else None
+
+
+# peft's (torch's) message for the first tensor of an adapter that does not fit the model it is loaded on
+SIZE_MISMATCH = re.compile(r"size mismatch for (\S+): copying a param with shape torch.Size\((\[[^\]]*\])\) from "
+                           r"checkpoint, the shape in current model is torch.Size\((\[[^\]]*\])\)")
+
+
+def load_adapter(model: PreTrainedModel, adapter_dir: str, base: str, base_flag: str):
+    """The LoRA adapter of `adapter_dir` on its loaded base `model`; one trained on another model (its layers of other
+    shapes) ends in one sentence instead of peft's list of every mismatched tensor."""
+    from peft import PeftModel
+
+    try:
+        return PeftModel.from_pretrained(model, adapter_dir)
+    except RuntimeError as error:
+        mismatch = SIZE_MISMATCH.search(str(error))
+        if mismatch is None:
+            raise
+        name, adapter_shape, model_shape = mismatch.groups()
+        raise UserError(f"{adapter_dir}: this adapter was not trained on {base} ({name} is {adapter_shape} in the "
+                        f"adapter, {model_shape} on this model); pass the model it was trained on to {base_flag}.") from None
+
+
+def load_tokenizer(model_path: str, assistant_only_loss: bool, flag: str = "--model_name_or_path"):
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_path)
-    except OSError as error:
+    except (OSError, ValueError) as error:  # ValueError: a folder without tokenizer files
+        reason = str(error).splitlines()[0].rstrip(": ")
         raise UserError(
-            f"{model_path}: the tokenizer could not be loaded ({str(error).splitlines()[0]}); without network pass "
-            f"a local model folder to --model_name_or_path, or add --tiny."
+            f"{model_path}: the tokenizer could not be loaded ({reason}); give {flag} a model folder that holds its "
+            f"tokenizer files (copy them from the model it was trained from), or without network a local copy of the "
+            f"model."
         ) from None
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    if assistant_only_loss and tokenizer.chat_template == LLAMA_3_2_TEMPLATE.read_text(encoding="utf-8"):
-        # TRL has no Llama 3.2 template with {% generation %} markers; ours renders identically and marks the
-        # assistant's answer and its <|eot_id|>, so the model is trained to stop.
-        tokenizer.chat_template = LLAMA_3_2_TRAINING_TEMPLATE.read_text(encoding="utf-8")
+    if assistant_only_loss:
+        tokenizer.chat_template = marked_llama_template(tokenizer.chat_template) or tokenizer.chat_template
     return tokenizer
+
+
+def marked_llama_template(chat_template) -> str | None:
+    """For Llama 3.2's template, ours with {% generation %} markers: TRL has none. It renders identically and marks
+    the assistant's answer and its <|eot_id|>, so the model is trained to stop. None for any other template."""
+    if chat_template != LLAMA_3_2_TEMPLATE.read_text(encoding="utf-8"):
+        return None
+    return LLAMA_3_2_TRAINING_TEMPLATE.read_text(encoding="utf-8")
 
 
 def model_init_kwargs(run: RunConfig, model_path: str) -> dict:
