@@ -23,6 +23,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -323,6 +324,24 @@ def save_checkpoint_completely(trainer, save, model, trial=None) -> None:
             _say(f"deleted {deleted} (save_total_limit={trainer.args.save_total_limit})")
     trainer.accelerator.wait_for_everyone()
     trainer.last_save_seconds = time.monotonic() - started
+
+
+@contextlib.contextmanager
+def writes_reported(output_dir: str | Path):
+    """A write that fails for want of space or permission (an end-of-training record, the loss plot, the state beside
+    the final model) ends in one sentence saying what is intact, instead of a traceback."""
+    try:
+        yield
+    except OSError as error:
+        if error.errno not in IO_ERRNOS:
+            raise
+        newest = newest_complete(output_dir)
+        keep = (f"{newest.name} is complete and a relaunch of the same command finishes the run from it" if newest
+                else "no complete checkpoint exists")
+        raise UserError(
+            f"{output_dir}: could not write {error.filename or 'a file'} ({IO_ERRNOS[error.errno]}); the run is not "
+            f"marked finished, {keep}; free space or fix the folder's permissions and relaunch."
+        ) from None
 
 
 FINAL_ASIDE = ".final-save.tmp"  # the final model is written here, then moved into the output folder

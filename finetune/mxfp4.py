@@ -37,7 +37,10 @@ def is_mxfp4_checkpoint(model_name_or_path: str) -> bool:
     """A local folder whose config.json says MXFP4, or one of OpenAI's GPT-OSS hub checkpoints."""
     config_file = Path(model_name_or_path).expanduser() / "config.json"
     if config_file.is_file():
-        quantization = json.loads(config_file.read_text()).get("quantization_config") or {}
+        try:
+            quantization = json.loads(config_file.read_text()).get("quantization_config") or {}
+        except (ValueError, AttributeError):  # a damaged config.json: model.check_model names it
+            return False
         return quantization.get("quant_method") == "mxfp4"
     return model_name_or_path.startswith(HUB_CHECKPOINT_PREFIX)
 

@@ -190,25 +190,33 @@ def train_and_save(trainer: SFTTrainer, run: RunConfig, tokenizer) -> None:
         checkpoints.write_atomically(Path(output_dir) / RUN_RECORD, json.dumps(record, indent=2) + "\n")
         if run.data_sources:
             checkpoints.write_atomically(Path(output_dir) / DATA_RECORD, json.dumps(run.data_sources, indent=2) + "\n")
-    show_answers = run.finetune.sample_prompt and trainer.accelerator.num_processes == 1
-    if show_answers:
+    before = None
+    if run.finetune.sample_prompt and trainer.accelerator.num_processes == 1:
         before = model_loading.answer(trainer.model, tokenizer, run.finetune.sample_prompt,
-                                     chat_template_kwargs=run.finetune.chat_template_kwargs)
-    try:
-        trainer.train(resume_from_checkpoint=resume_from)
-    except resume.NothingLeftToTrain:
-        print(f"[finetune] {resume_from} is at max_steps: nothing left to train; writing the final model from it.",
-              flush=True)
+                                      chat_template_kwargs=run.finetune.chat_template_kwargs)
+    with checkpoints.writes_reported(output_dir):
+        try:
+            trainer.train(resume_from_checkpoint=resume_from)
+        except resume.NothingLeftToTrain:
+            print(f"[finetune] {resume_from} is at max_steps: nothing left to train; writing the final model from it.",
+                  flush=True)
     checkpoints.exit_if_preempted(trainer)  # SIGTERM: the checkpoint is saved; exit 143 without the final save
     checkpoints.save_final_completely(trainer, output_dir)
+    with checkpoints.writes_reported(output_dir):
+        write_beside_the_model(trainer, run, tokenizer, before)
+
+
+def write_beside_the_model(trainer: SFTTrainer, run: RunConfig, tokenizer, before: str | None) -> None:
+    """The loss history, the plot, the sample answer and, last, the marker that says the run is finished."""
+    output_dir = run.training.output_dir
     trainer.save_state()  # trainer_state.json: the full-precision loss history beside the model
-    if is_main:
+    if trainer.accelerator.is_main_process:
         losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
         if losses:
             print(f"[finetune] train loss: {' -> '.join(f'{loss:.3f}' for loss in losses)}", flush=True)
         save_loss_plot(trainer.state.log_history, Path(output_dir) / LOSS_PLOT)
         tracking.log_outputs(run.training, [Path(output_dir) / name for name in (LOSS_PLOT, RUN_RECORD, DATA_RECORD)])
-        if show_answers:
+        if before is not None:
             after = model_loading.answer(trainer.model, tokenizer, run.finetune.sample_prompt,
                                         chat_template_kwargs=run.finetune.chat_template_kwargs)
             print(f"[finetune] {run.finetune.sample_prompt!r}\n  before training: {before!r}\n  after training:  {after!r}")

@@ -33,7 +33,8 @@ WEIGHTS = "adapter_model.safetensors"
 # optimizer step), save_weights (the weights file
 # of checkpoint-step half written), save_optimizer (weights written, optimizer not yet), before_marker (every file
 # written, no marker yet), before_rotation (marker written, older checkpoints not yet rotated), enospc / eacces (the
-# optimizer write of checkpoint-step fails), final_enospc (the final model's write fails once its files are written). A kill is a SIGKILL of the whole process group: launcher and all ranks.
+# optimizer write of checkpoint-step fails), final_enospc (the final model's write fails once its files are written),
+# plot_enospc (the loss plot's write fails, after the final model is in place). A kill is a SIGKILL of the whole process group: launcher and all ranks.
 INJECT = r'''
 import errno, os, runpy, signal, sys
 kind, _, step = os.environ.get("FAULT", "none:0").partition(":")
@@ -105,6 +106,11 @@ if kind == "final_enospc":  # the final model's write runs out of space half way
         if str(output_dir).endswith(checkpoints.FINAL_ASIDE):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.path.join(output_dir, "adapter_model.safetensors"))
     Trainer.save_model = save_model
+if kind == "plot_enospc":  # the disk fills up after the final model is in place
+    from finetune import train
+    def save_loss_plot(log_history, path):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+    train.save_loss_plot = save_loss_plot
 if kind == "before_marker":
     original_write_marker = checkpoints.write_marker
     def write_marker(folder, at_step, world_size):

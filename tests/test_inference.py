@@ -167,7 +167,7 @@ def test_token_f1_and_exact_match_against_the_reference():
         (["chat", "{adapter}"], "names no base model (base_model_name_or_path); pass --base MODEL."),
         (["generate", "{adapter}", "--prompts", "{bad}", "--out", "x.jsonl"], "line 2 has no `messages` or `prompt`"),
         (["generate", "{adapter}", "--prompts", "missing.jsonl", "--out", "x.jsonl"], "prompts file not found"),
-        (["eval", "{adapter}", "--base", "x", "--dataset_name", "{prompts}"], "match none of TRL's formats"),
+        (["eval", "{adapter}", "--base", "x", "--dataset_name", "{prompts}"], "map yours onto one of them with `columns:`"),
     ],
 )
 def test_user_mistakes_are_one_error_line_and_exit_2(arguments, message, tmp_path, capsys):

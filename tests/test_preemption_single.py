@@ -119,6 +119,17 @@ def test_a_full_disk_at_the_final_save_leaves_the_previous_model_and_the_relaunc
     assert final.keys() == saved.keys() and all(torch.equal(final[name], saved[name]) for name in final)
 
 
+def test_a_full_disk_after_the_final_model_is_one_sentence_and_leaves_the_run_unfinished(tmp_path, reference_single):
+    output_dir = copy_run(reference_single, tmp_path / "out")
+    launch = Launch(tmp_path, 1, output_dir, fault="plot_enospc")
+    assert launch.wait() != 0
+    last = error_line(launch.text())
+    assert f"could not write {output_dir / 'loss.png'} (no space left on the device)" in last, last
+    assert "checkpoint-12 is complete and a relaunch of the same command finishes the run from it" in last, last
+    assert "Traceback" not in launch.text()
+    assert not (output_dir / FINAL_MARKER).exists(), "a run whose records were not written is not marked finished"
+
+
 def test_a_resume_applies_a_new_learning_rate_when_asked_and_the_new_logging_cadence(tmp_path, reference_single):
     output_dir = copy_run(reference_single, tmp_path / "out")
     shutil.rmtree(output_dir / "checkpoint-12")

@@ -1,0 +1,298 @@
+"""Damaged model folders, unfinished runs and bad flags in `finetune chat | generate | eval | merge` and in training.
+
+Each case ends in one sentence naming the file and the fix, exit 2, no traceback, before any weights load; the folders
+that are whole keep working. The model folders are built once from the tiny Llama: an adapter is saved by peft
+without training, and a run's output folder (its record, checkpoints and final marker) is written as a run writes it.
+"""
+
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from finetune import checkpoints, cli, inference, tiny
+from finetune import model as model_loading
+from finetune.config import RUN_RECORD
+from tests.helpers import ROOT, folder_digest, write
+from tests.test_bad_inputs import FINETUNE, FULL, check_bad_input, rows_file, write_bytes
+
+CONVERSATION = [{"role": "user", "content": "Repeat: red fish"}, {"role": "assistant", "content": "red fish"}]
+
+
+def cut_in_half(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def copy_of(source: Path, folder: Path, change=None) -> Path:
+    shutil.copytree(source, folder, ignore=shutil.ignore_patterns("checkpoint-*"))
+    if change:
+        change(folder)
+    return folder
+
+
+def with_base(base: str):
+    def change(folder: Path) -> None:
+        settings = json.loads((folder / "adapter_config.json").read_text())
+        (folder / "adapter_config.json").write_text(json.dumps({**settings, "base_model_name_or_path": base}))
+    return change
+
+
+def save_adapter(base: Path, folder: Path) -> Path:
+    """A LoRA adapter of the tiny model as peft saves it (untrained: the weights are not what is tested here)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(base)
+    get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(base).save_pretrained(folder)
+    return folder
+
+
+def run_folder(model: Path, folder: Path, final: bool, checkpoint_steps=(1, 2), complete_steps=(1,)) -> Path:
+    """A training run's output folder: its record, its checkpoints (those of `complete_steps` with their marker), and
+    the final model with its marker when `final`."""
+    copy_of(model, folder)
+    write(folder / RUN_RECORD, json.dumps({"model_name_or_path": str(model)}))
+    for step in checkpoint_steps:
+        checkpoint = copy_of(model, folder / f"checkpoint-{step}")
+        write(checkpoint / "trainer_state.json", json.dumps({"global_step": step}))
+        write(checkpoint / "optimizer.pt", "state")
+        if step in complete_steps:
+            checkpoints.write_marker(checkpoint, step, 1)
+    if final:
+        checkpoints.write_final_marker(folder, checkpoint_steps[-1], {"max_steps": checkpoint_steps[-1]})
+    return folder
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory, tiny_model_cache) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("model-folders")
+    base = copy_of(tiny.tiny_model_folder("llama"), root / "base")
+    adapter = save_adapter(base, root / "adapter")
+    built = {
+        "base": base, "adapter": adapter,
+        "truncated": copy_of(base, root / "truncated", lambda f: cut_in_half(f / "model.safetensors")),
+        "empty config": copy_of(base, root / "empty-config", lambda f: write(f / "config.json", "")),
+        "cut config": copy_of(base, root / "cut-config", lambda f: write(f / "config.json", '{"model_type": "lla')),
+        "cut tokenizer": copy_of(base, root / "cut-tokenizer", lambda f: cut_in_half(f / "tokenizer.json")),
+        "no weights": copy_of(base, root / "no-weights", lambda f: (f / "model.safetensors").unlink()),
+        "lost shard": copy_of(base, root / "lost-shard", lambda f: write(
+            f / "model.safetensors.index.json", json.dumps({"weight_map": {"lm_head.weight": "model-00002.safetensors"}}))),
+        "no template": copy_of(base, root / "no-template", lambda f: (f / "chat_template.jinja").unlink()),
+        "truncated adapter": copy_of(adapter, root / "truncated-adapter",
+                                     lambda f: cut_in_half(f / "adapter_model.safetensors")),
+        "adapter without base": copy_of(adapter, root / "adapter-without-base", with_base(str(root / "gone"))),
+        "adapter on hub base": copy_of(adapter, root / "adapter-on-hub-base", with_base("nobody/not-downloaded")),
+        "adapter on damaged base": copy_of(adapter, root / "adapter-on-damaged-base",
+                                           with_base(str(root / "truncated"))),
+        "stopped run": run_folder(base, root / "stopped-run", final=False),
+        "stopped run, no checkpoint": run_folder(base, root / "stopped-run-2", final=False, complete_steps=()),
+        "finished run": run_folder(base, root / "finished-run", final=True),
+        "finished LoRA run": run_folder(adapter, root / "finished-lora-run", final=True, checkpoint_steps=(2,)),
+        "file": write(root / "a-file.txt", "not a model\n"),
+        "prompts": write(root / "prompts.txt", "Repeat: red fish\n"),
+        "rows": rows_file(root, [{"messages": CONVERSATION}]),
+        "read-only": root / "read-only",
+    }
+    built["read-only"].mkdir()
+    return {name: str(path) for name, path in built.items()}
+
+
+def refusal(arguments: list[str], capfd) -> str:
+    """`finetune ARGUMENTS` in this process: exit 2, one `error: ` line and no traceback; that line."""
+    capfd.readouterr()
+    code = cli.main(arguments)
+    out, err = capfd.readouterr()
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert code == 2, out[-2000:] + err[-2000:]
+    assert len(errors) == 1 and "Traceback" not in err, err[-3000:]
+    assert "Loading weights" not in out + err, "the refusal must come before the model loads"
+    return errors[0]
+
+
+OUT = ["--out", "{tmp}/answers.jsonl"]
+# (case, `finetune` arguments ({name} is a folder of the fixture, {tmp} the test's tmp_path), words the sentence holds)
+COMMAND_CASES = [
+    ("chat: truncated safetensors", ["chat", "{truncated}"], ["model.safetensors is truncated", "re-download"]),
+    ("generate: empty config.json", ["generate", "{empty config}", "--prompts", "{prompts}", *OUT],
+     ["config.json: empty", "re-download the model or re-save it"]),
+    ("eval: config.json cut short", ["eval", "{cut config}", "--dataset_name", "{rows}"],
+     ["config.json: not valid JSON", "re-download"]),
+    ("chat: tokenizer.json cut short", ["chat", "{cut tokenizer}"], ["tokenizer.json: not valid JSON", "re-download"]),
+    ("chat: a folder without weights", ["chat", "{no weights}"], ["holds no weights", "model.safetensors", "re-save"]),
+    ("chat: an index naming a missing shard", ["chat", "{lost shard}"],
+     ["model.safetensors.index.json: lists model-00002.safetensors, which is missing"]),
+    ("chat: an adapter whose adapter weights are cut", ["chat", "{truncated adapter}"],
+     ["adapter_model.safetensors is truncated", "re-save the adapter"]),
+    ("chat: an adapter whose base folder is gone", ["chat", "{adapter without base}"],
+     ["adapter_config.json: its base model cannot be loaded", "gone: no such folder", "--base"]),
+    ("generate: an adapter whose hub base is not cached offline",
+     ["generate", "{adapter on hub base}", "--prompts", "{prompts}", *OUT],
+     ["adapter_config.json: its base model", "nobody/not-downloaded", "HF_HUB_OFFLINE", "hf download"]),
+    ("eval: an adapter whose base is damaged", ["eval", "{adapter on damaged base}", "--dataset_name", "{rows}"],
+     ["its base model cannot be loaded", "model.safetensors is truncated"]),
+    ("chat: --base that is a file", ["chat", "{adapter}", "--base", "{file}"],
+     ["a-file.txt: a file, not a model folder", "--base"]),
+    ("generate: --base a folder that is gone", ["generate", "{adapter}", "--base", "{tmp}/gone", "--prompts", "{prompts}",
+                                                *OUT], ["gone: no such folder", "--base"]),
+    ("chat: a stopped run names its newest complete checkpoint", ["chat", "{stopped run}"],
+     ["no complete final model", "finetune_final.json", "stopped-run/checkpoint-1 instead", "relaunch"]),
+    ("generate: a stopped run without a complete checkpoint",
+     ["generate", "{stopped run, no checkpoint}", "--prompts", "{prompts}", *OUT],
+     ["no complete final model", "relaunch the training command"]),
+    ("eval: a stopped run", ["eval", "{stopped run}", "--dataset_name", "{rows}"], ["checkpoint-1 instead"]),
+    ("chat: a model without a chat template", ["chat", "{no template}"], ["no chat template", "instruct model"]),
+    ("chat: a hub id not cached offline", ["chat", "nobody/not-downloaded"],
+     ["nobody/not-downloaded", "local cache", "OUTPUT_DIR"]),
+    ("chat: --device cuda on a machine without one", ["chat", "{base}", "--device", "cuda:99"], ["--device cuda:99"]),
+    ("chat: --device that is no device", ["chat", "{base}", "--device", "gpu0"], ["--device gpu0: not a device"]),
+    ("generate: --prompts that is a folder", ["generate", "{base}", "--prompts", "{tmp}", *OUT],
+     ["a folder, not a prompts file"]),
+    ("generate: --out that is a folder", ["generate", "{base}", "--prompts", "{prompts}", "--out", "{tmp}"],
+     ["a folder, not a file", "--out"]),
+    ("eval: --report into a missing folder", ["eval", "{base}", "--dataset_name", "{rows}", "--report", "{tmp}/no/r.json"],
+     ["its folder", "does not exist", "--report"]),
+    ("eval: a missing dataset file", ["eval", "{base}", "--dataset_name", "{tmp}/gone.jsonl"], ["gone.jsonl", "not found"]),
+    ("eval: --compare a damaged folder (checked before the first model is scored)",
+     ["eval", "{base}", "--dataset_name", "{rows}", "--compare", "{truncated}", "--report", "{tmp}/r.json"],
+     ["truncated/model.safetensors is truncated"]),
+    ("eval: a hub model has no default report place", ["eval", "nobody/not-downloaded", "--dataset_name", "{rows}"],
+     ["not a local folder", "--report FILE"]),
+    ("merge: an adapter whose base folder is gone", ["merge", "{adapter without base}", "{tmp}/merged"],
+     ["its base model cannot be loaded", "no such folder", "--base_model"]),
+    ("merge: an adapter whose hub base is not cached offline", ["merge", "{adapter on hub base}", "{tmp}/merged"],
+     ["nobody/not-downloaded", "hf download", "--base_model"]),
+    ("merge: --base_model that is a file", ["merge", "{adapter}", "{tmp}/merged", "--base_model", "{file}"],
+     ["a file, not a model folder", "--base_model"]),
+    ("merge: a truncated adapter", ["merge", "{truncated adapter}", "{tmp}/merged"], ["adapter_model.safetensors is truncated"]),
+    ("merge: a stopped run", ["merge", "{stopped run}", "{tmp}/merged"], ["no complete final model"]),
+    ("merge: a full model", ["merge", "{base}", "{tmp}/merged"], ["no adapter_config.json", "LoRA"]),
+    ("merge: an output folder under a file", ["merge", "{adapter}", "{file}/merged"],
+     ["cannot be created because", "a-file.txt is a file"]),
+    ("merge: an output path that is a file", ["merge", "{adapter}", "{file}"], ["a file, not a folder"]),
+    ("merge: an output folder that holds files", ["merge", "{adapter}", "{base}"], ["already holds files"]),
+]
+
+
+@pytest.mark.parametrize("case", COMMAND_CASES, ids=[case[0] for case in COMMAND_CASES])
+def test_a_command_given_a_bad_model_folder_or_flag_says_one_sentence_before_loading(case, folders, tmp_path, capfd):
+    _, arguments, expected_words = case
+    before = folder_digest(Path(folders["base"]).parent)
+    sentence = refusal([argument.format(tmp=tmp_path, **folders) for argument in arguments], capfd)
+    for word in expected_words:
+        assert word in sentence, f"{word!r} missing from: {sentence}"
+    assert folder_digest(Path(folders["base"]).parent) == before, "a refused command changed a model folder"
+    assert not (tmp_path / "merged").exists() and not (tmp_path / "answers.jsonl").exists()
+
+
+@pytest.mark.parametrize("command", ["generate --out", "eval --report", "merge"])
+def test_an_output_in_a_read_only_folder_is_refused_before_loading(command, folders, tmp_path, capfd, monkeypatch):
+    """Root can write anywhere (as the tests may run): `os.access` answers as it would for a user on a read-only disk."""
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: not str(path).startswith(folders["read-only"]) and
+                        real_access(path, mode))
+    target = f"{folders['read-only']}/out"
+    arguments = {"generate --out": ["generate", folders["base"], "--prompts", folders["prompts"], "--out", target],
+                 "eval --report": ["eval", folders["base"], "--dataset_name", folders["rows"], "--report", target],
+                 "merge": ["merge", folders["adapter"], target]}[command]
+    sentence = refusal(arguments, capfd)
+    assert "cannot be written" in sentence and "read-only" in sentence, sentence
+
+
+def test_a_prompts_file_that_cannot_be_read_is_one_sentence(folders, tmp_path, capfd, monkeypatch):
+    """Root reads any file (as the tests may run): reading the prompts file fails as it does for a user without
+    read permission."""
+    real_read_text = Path.read_text
+
+    def read_text(path, *args, **kwargs):
+        if str(path) == folders["prompts"]:
+            raise PermissionError(13, "Permission denied")
+        return real_read_text(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", read_text)
+    sentence = refusal(["generate", folders["base"], "--prompts", folders["prompts"], "--out", str(tmp_path / "a.jsonl")],
+                       capfd)
+    assert sentence == (f"error: {folders['prompts']}: the prompts file cannot be read (Permission denied); fix its "
+                        f"permissions or pass another --prompts.")
+
+
+def test_chat_names_the_stdin_line_that_is_not_utf8(folders, monkeypatch, capfd):
+    """The first line is answered; the second, a Latin-1 byte, ends the chat in one sentence naming line 2."""
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"Repeat: red fish\nRepeat: caf\xe9\n")))
+    sentence = refusal_after_loading(["chat", folders["base"], "--max_new_tokens", "2"], capfd)
+    assert sentence == ("error: stdin: line 2 is not UTF-8 text; send UTF-8 (convert with iconv -t UTF-8, or set the "
+                        "terminal's encoding to UTF-8).")
+
+
+def refusal_after_loading(arguments: list[str], capfd) -> str:
+    capfd.readouterr()
+    code = cli.main(arguments)
+    err = capfd.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert code == 2 and len(errors) == 1 and "Traceback" not in err, err[-3000:]
+    return errors[0]
+
+
+@pytest.mark.parametrize("name", ["finished run", "finished LoRA run", "base"])
+def test_a_finished_run_and_a_plain_model_folder_keep_working(name, folders, monkeypatch, capfd):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Repeat: red fish\n"))
+    assert cli.main(["chat", folders[name], "--max_new_tokens", "2"]) == 0, capfd.readouterr().err[-3000:]
+
+
+def test_merge_writes_the_merged_model_aside_then_in_place_and_it_loads_without_peft(folders, tmp_path, capfd):
+    merged = tmp_path / "merged"
+    assert cli.main(["merge", folders["finished LoRA run"], str(merged)]) == 0, capfd.readouterr().err[-3000:]
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {path.name for path in merged.iterdir()}
+    assert [path.name for path in tmp_path.iterdir()] == ["merged"], "the folder written aside is left behind"
+    model_loading.check_model(str(merged), "OUTPUT_DIR")
+
+
+def test_held_out_scores_work_with_the_plain_llama_template_of_assistant_only_loss_false(folders):
+    """Issue 27, item 5: with `--assistant_only_loss false` the tokenizer keeps Llama 3.2's plain template, which TRL
+    cannot patch (get_training_chat_template raised); the scores count the same tokens as with the marked one."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folders["base"])
+    plain = model_loading.load_tokenizer(folders["base"], assistant_only_loss=False)
+    marked = model_loading.load_tokenizer(folders["base"], assistant_only_loss=True)
+    assert plain.chat_template != marked.chat_template
+    scores = inference.score(model, plain, [CONVERSATION], max_new_tokens=2)
+    assert scores["rows"] == 1
+    assert inference.assistant_loss(model, plain, [CONVERSATION]) == inference.assistant_loss(model, marked, [CONVERSATION])
+    plain.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    assert inference._training_chat_template(plain) is None  # unknown to TRL: the loss of the last turn instead
+
+
+# Training from a damaged folder: refused in model.resolve_model_path, before the tokenizer and the model load
+TRAINING_CASES = [
+    ("training from a truncated safetensors", "truncated", ["model.safetensors is truncated", "re-download"]),
+    ("training from an empty config.json", "empty config", ["config.json: empty", "re-download"]),
+    ("training from a folder without weights", "no weights", ["holds no weights", "re-save"]),
+    ("training from an adapter whose base is gone", "adapter without base",
+     ["adapter_config.json: its base model cannot be loaded", "no such folder", "base_model_name_or_path"]),
+    ("training from a stopped run", "stopped run", ["no complete final model", "checkpoint-1 instead"]),
+    ("training from a hub id not cached offline", None, ["nobody/not-downloaded", "local cache", "--model_name_or_path"]),
+]
+
+
+@pytest.mark.parametrize("case", TRAINING_CASES, ids=[case[0] for case in TRAINING_CASES])
+def test_training_from_a_bad_model_folder_is_one_sentence_before_loading(case, folders, tmp_path, capfd, monkeypatch):
+    name, folder, expected_words = case
+    model = folders[folder] if folder else "nobody/not-downloaded"
+    arguments = ["--config", str(FULL), "--model_name_or_path", model, "--dataset_name", str(ROOT / "data" / "sample")]
+    check_bad_input((name, lambda tmp: arguments, expected_words), tmp_path, capfd, monkeypatch)
+
+
+def test_the_console_command_reads_a_pipe_that_is_not_utf8_as_one_sentence(folders, tmp_path):
+    """The real `finetune chat` with a byte that is not UTF-8 on its stdin, as `printf 'hi\\xff\\n' |` gives it."""
+    with open(write_bytes(tmp_path / "latin1.txt", b"hi\xff\n"), "rb") as stdin:
+        result = subprocess.run([FINETUNE, "chat", folders["base"], "--max_new_tokens", "2"], stdin=stdin,
+                                capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.rstrip().endswith("error: stdin: line 1 is not UTF-8 text; send UTF-8 (convert with iconv -t "
+                                           "UTF-8, or set the terminal's encoding to UTF-8).")
