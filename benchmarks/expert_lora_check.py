@@ -3,7 +3,7 @@
 The GPT-OSS-20B architecture cut to 2 layers, random bf16 weights on the GPU, the same rows in the same order, 20
 training steps through each path: loss curves and adapter weights, which must agree within bf16 rounding (and have the
 same keys and shapes: peft's adapter format). The trainer is the one `scripts/sft.py` builds:
-`finetune.config.parse_args` on the recipe plus overrides, `finetune.train.build_trainer`. The speed of each path is
+`finetune.sft.configure` on the recipe plus overrides, `finetune.train.build_trainer`. The speed of each path is
 the benchmark's case `gptoss20b_expert_lora` (`scripts/bench.py --cases gptoss20b_expert_lora`).
 
     python benchmarks/expert_lora_check.py --out DIR            # GPU
@@ -46,7 +46,7 @@ def trainer_for(overrides: list[str], tiny: bool, layers: int | None, make_rows,
 
     from finetune import tiny as tiny_models
     from finetune.architectures import load_architecture
-    from finetune.config import apply_to_process, parse_args
+    from finetune.sft import configure
     from finetune.model import model_init_kwargs
     from finetune.train import build_trainer
 
@@ -55,8 +55,7 @@ def trainer_for(overrides: list[str], tiny: bool, layers: int | None, make_rows,
             "--logging_steps", "1", "--save_strategy", "no", "--eval_strategy", "no", "--report_to", "none",
             "--assistant_only_loss", "false", "--disable_tqdm", "true", "--gradient_accumulation_steps", "1",
             *(["--tiny"] if tiny else []), *overrides]
-    run = parse_args(argv)
-    apply_to_process(run)
+    run = configure(argv)
     tokenizer = tiny_models.build_tiny_tokenizer("gpt-oss")
     if tiny:
         config = tiny_models.tiny_config("gpt-oss", tokenizer)

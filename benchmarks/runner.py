@@ -4,7 +4,7 @@ The real architectures (Llama-3.2-1B/3B, GPT-OSS-20B) are built with random bf16
 (benchmarks/models.py). Each case (benchmarks/cases.py) runs
   plain_default  plain TRL with its defaults for that model,
   plain_best     plain TRL with the best settings a careful user finds (README table),
-  finetune       the recipe YAML exactly as shipped, parsed by `finetune.config.parse_args`,
+  finetune       the recipe YAML exactly as shipped, configured by `finetune.sft.configure`,
   finetune_fast  the recipe plus the overrides this benchmark proposes as the new recipe defaults,
 and reports steady-state tokens/s (device synchronised, steps after warm-up), MFU against 790 TFLOP/s, peak memory and
 the loss after N steps. `--tiny` runs every case with tiny models on the CPU in seconds (tests/test_benchmarks.py).
@@ -254,9 +254,9 @@ def common_flags(steps: int, output_dir: str) -> list[str]:
 
 
 def finetune_run_config(variant: Variant, steps: int, output_dir: str, seq: int, tiny: bool):
-    """The recipe parsed as scripts/sft.py parses it, and the command line that runs it. A tiny run is on the CPU even
-    beside a GPU: it gets the values a recipe gets on a machine without one (the command line's flags still win)."""
-    from finetune.config import parse_args
+    """The recipe configured as a run configures it (finetune.sft.configure), and the command line that runs it. A
+    tiny run is on the CPU even beside a GPU: it gets the values a recipe gets on a machine without one (the command
+    line's flags still win)."""
     from finetune.config_files import read_recipe
     from finetune.cpu import cpu_overrides
 
@@ -268,7 +268,9 @@ def finetune_run_config(variant: Variant, steps: int, output_dir: str, seq: int,
         argv.append("--tiny")
         for key, value in cpu_overrides(read_recipe(str(RECIPES / variant.recipe))).items():
             cpu_flags += [f"--{key}", str(value).lower() if isinstance(value, bool) else str(value)]
-    return parse_args(cpu_flags + argv), argv
+    from finetune.sft import configure
+
+    return configure(cpu_flags + argv), argv
 
 
 def plain_sft_config(variant: Variant, steps: int, output_dir: str, seq: int, tiny: bool):
@@ -296,7 +298,6 @@ def run_variant(case: Case, variant: Variant, out_dir: Path, tiny: bool, layers:
     from peft import LoraConfig
 
     from finetune import tiny as tiny_models
-    from finetune.config import apply_to_process
     from finetune.model import lora_config as recipe_lora_config
     from finetune.model import model_init_kwargs
 
@@ -310,7 +311,6 @@ def run_variant(case: Case, variant: Variant, out_dir: Path, tiny: bool, layers:
 
     if variant.recipe:
         run, argv = finetune_run_config(variant, steps, output_dir, case.seq, tiny)
-        apply_to_process(run)
         kwargs = model_init_kwargs(run, run.model.model_name_or_path)
         attn, experts = kwargs.get("attn_implementation") or "sdpa", kwargs.get("experts_implementation")
         dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}.get(str(kwargs.get("dtype")), dtype)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import runpy
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -65,18 +64,14 @@ def result_of(output_dir: str | os.PathLike, log_history: list[dict] | None = No
 def train(config: str | os.PathLike | None = None, **overrides) -> TrainResult:
     """Train in this process, as `python scripts/sft.py --config CONFIG --key value ...` would; no arguments at all
     train the tiny default. A user mistake raises finetune.errors.UserError with its one sentence, before loading."""
-    from finetune import launch
-    from finetune import train as training
+    from finetune import sft
 
     argv = to_argv(config, overrides)
-    sft = runpy.run_path(str(launch.SFT_SCRIPT), run_name="finetune_sft")
     # a run sets variables for itself (its recipe's `env:`, the MLflow run it continues); the kernel's next run must
     # not inherit them
     environment = dict(os.environ)
     try:
-        run, trainer, tokenizer = sft["prepare"](argv or None)
-        training.train_and_save(trainer, run, tokenizer)
-        training.finish_run(trainer)
+        run, trainer = sft.main(argv or None)
     except RunFinished as finished:
         print(f"{FINISHED_PREFIX}{finished}", flush=True)
         return result_of(finished.output_dir)

@@ -36,7 +36,7 @@ FIXED = {
     "max_length": "the rows", "packing": "the rows", "padding_free": "the rows", "truncation": "the rows",
     "assistant_only_loss": "the loss", "completion_only_loss": "the loss",
     "seed": "the data order", "data_seed": "the data order", "per_device_train_batch_size": "the data position",
-    "gradient_accumulation_steps": "the data position", "world_size": "the data position",
+    "gradient_accumulation_steps": "the data position",
     "optim": "the optimizer state", "weight_decay": "the optimizer state", "adam_beta1": "the optimizer state",
     "adam_beta2": "the optimizer state", "adam_epsilon": "the optimizer state",
 }
@@ -45,6 +45,7 @@ CHANGEABLE = (
     "max_steps", "num_train_epochs", "logging_steps", "logging_strategy", "eval_steps", "eval_strategy", "save_steps",
     "save_strategy", "save_total_limit", "max_grad_norm", "gradient_checkpointing", "torch_compile",
     "use_liger_kernel", "attn_implementation", "dtype", "report_to", "eval_samples_before_after", "sample_prompt",
+    "world_size",  # a sharded optimizer state refuses another count when it loads; DDP's full one takes it
 )
 FINGERPRINT_ROWS = 1000  # rows hashed, evenly spaced: a re-staged copy of the same file matches, an edited one not
 
@@ -99,9 +100,9 @@ def check_relaunch(run, recorded: dict, checkpoint: Path, output_dir: Path) -> l
     if fixed:
         reasons = sorted({FIXED[name] for name, _, _ in fixed})
         raise UserError(
-            f"{output_dir}: this relaunch changes {_listed(fixed)}, and {checkpoint.name} cannot continue with another "
-            f"{' or '.join(reasons)}; relaunch with the values it was trained with, or pick a new --output_dir to "
-            f"train a new run."
+            f"{output_dir}: this relaunch changes {_listed(fixed)}, which {checkpoint.name} cannot continue with (they "
+            f"change {' and '.join(reasons)}); relaunch with the values it was trained with, or pick a new "
+            f"--output_dir to train a new run."
         )
     schedule = _changes(recorded, now, SCHEDULE)
     if schedule and not run.finetune.resume_with_new_schedule:

@@ -1,0 +1,43 @@
+"""One supervised fine-tuning run, as functions: configure (parse, apply, check) → load (tokenizer, data, model) →
+build the trainer → train and save. `scripts/sft.py`, `finetune.train(...)` and the benchmarks call these; nothing
+else rebuilds the run's order.
+
+    accelerate launch [--config_file accelerate_configs/NAME.yaml] scripts/sft.py --config recipes/MODEL/METHOD.yaml
+
+With no arguments it trains the tiny Llama on the bundled sample data (finetune/config.py DEFAULT_ARGS).
+"""
+
+from __future__ import annotations
+
+from finetune import config, data, model
+from finetune import train as training
+from finetune.config import RunConfig
+
+
+def configure(argv: list[str] | None = None) -> RunConfig:
+    """The recipe and flags parsed, the process set up for them, every check that needs no model: before any load."""
+    run = config.parse_args(argv)
+    config.apply_to_process(run)
+    config.check(run)
+    return run
+
+
+def prepare(argv: list[str] | None = None):
+    """Configure, then load: the run, its trainer ready to train, and the tokenizer."""
+    run = configure(argv)
+    model_path = model.resolve_model_path(run)
+    tokenizer = model.load_tokenizer(model_path, run.training.assistant_only_loss)
+    model.check_lora_targets(run, model_path)
+    train_set, eval_set = data.load_datasets(run.script, run.training, None if run.finetune.truncation else tokenizer,
+                                             run.finetune, record=run.data_sources, tokenizer=tokenizer)
+    config.check_data_unchanged(run, train_set)
+    trainer = training.build_trainer(run, model.load_model(run, model_path), tokenizer, train_set, eval_set)
+    return run, trainer, tokenizer
+
+
+def main(argv: list[str] | None = None):
+    """The whole run: prepare, train, save the final model, close the processes; the run and its trainer."""
+    run, trainer, tokenizer = prepare(argv)
+    training.train_and_save(trainer, run, tokenizer)
+    training.finish_run(trainer)
+    return run, trainer
