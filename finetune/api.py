@@ -17,6 +17,7 @@ upon import have been imported already"), which peft does on import: after any `
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -67,18 +68,34 @@ def train(config: str | os.PathLike | None = None, **overrides) -> TrainResult:
     from finetune import sft
 
     argv = to_argv(config, overrides)
-    # a run sets variables for itself (its recipe's `env:`, the MLflow run it continues); the kernel's next run must
-    # not inherit them
+    with process_state_kept():
+        try:
+            run, trainer = sft.main(argv or None)
+        except RunFinished as finished:
+            print(f"{FINISHED_PREFIX}{finished}", flush=True)
+            return result_of(finished.output_dir)
+    return result_of(run.training.output_dir, trainer.state.log_history)
+
+
+@contextlib.contextmanager
+def process_state_kept():
+    """What a run changes in its process, put back for the notebook's next run: the environment (a recipe's `env:`,
+    the launcher-style compile settings, the MLflow run it continues), inductor's activation budget and the SIGTERM
+    handler (a run's saves its checkpoint on SIGTERM)."""
+    import signal
+
+    from torch._functorch import config as functorch_config
+
     environment = dict(os.environ)
+    budget = functorch_config.activation_memory_budget
+    handler = signal.getsignal(signal.SIGTERM)
     try:
-        run, trainer = sft.main(argv or None)
-    except RunFinished as finished:
-        print(f"{FINISHED_PREFIX}{finished}", flush=True)
-        return result_of(finished.output_dir)
+        yield
     finally:
         os.environ.clear()
         os.environ.update(environment)
-    return result_of(run.training.output_dir, trainer.state.log_history)
+        functorch_config.activation_memory_budget = budget
+        signal.signal(signal.SIGTERM, handler)
 
 
 def launch(config: str | os.PathLike | None = None, num_processes: int | None = None,

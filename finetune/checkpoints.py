@@ -36,7 +36,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from finetune import patches
+from finetune import outcome, patches
 from finetune.errors import UserError
 
 MARKER = "finetune_checkpoint.json"
@@ -407,6 +407,7 @@ class Preemption(TrainerCallback):
         if self.trainer.state.global_step == self.saved_step:
             _say(f"SIGTERM before any step since step {self.saved_step}: nothing to save; exiting with code "
                  f"{PREEMPTED_EXIT_CODE} now. Relaunch the same command to resume.")
+            outcome.record(outcome.PREEMPTED, output_dir=self.trainer.args.output_dir)
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(PREEMPTED_EXIT_CODE)  # not SystemExit: raised inside a compilation it was seen to be swallowed
@@ -451,6 +452,7 @@ def exit_if_preempted(trainer) -> None:
     if preemption.stopped_at is None:
         return
     if trainer.accelerator.is_main_process:
+        outcome.record(outcome.PREEMPTED, output_dir=trainer.args.output_dir)
         after_signal = time.monotonic() - preemption.signal_time
         save_seconds = trainer.last_save_seconds
         _say(

@@ -30,11 +30,16 @@ def report(error: UserError) -> int:
 
 
 def exit_on_user_error(main) -> None:
-    """Run `main`; a user mistake ends as one line on stderr and exit code 2, without a traceback."""
+    """Run `main`; a user mistake ends as one line on stderr and exit code 2, without a traceback. Either way the
+    outcome is written for the launcher (finetune/outcome.py)."""
+    from finetune import outcome
+
     try:
         main()
     except UserError as error:
+        outcome.record(outcome.USER_ERROR, error=str(error))
         sys.exit(report(error))
     except RunFinished as finished:
+        outcome.record(outcome.FINISHED_ALREADY, output_dir=finished.output_dir)
         print(f"{FINISHED_PREFIX}{finished}", flush=True)
         sys.exit(0)

@@ -5,6 +5,7 @@ same MLflow run. One launch and one in-process run are shared by every test here
 import json
 import logging.handlers
 import os
+import signal
 import sys
 
 import pytest
@@ -45,12 +46,13 @@ def launched(store):
     errors = logging.handlers.BufferingHandler(capacity=1000)
     errors.setLevel(logging.ERROR)
     logging.getLogger(mlflow.__name__).addHandler(errors)
-    environment = dict(os.environ)
+    environment, handler = dict(os.environ), signal.getsignal(signal.SIGTERM)
     try:
         resumed = finetune.train(config=LORA, max_steps=6, **common)
     finally:
         logging.getLogger(mlflow.__name__).removeHandler(errors)
-    return first, resumed, [record.getMessage() for record in errors.buffer], dict(os.environ) == environment
+    kept = dict(os.environ) == environment and signal.getsignal(signal.SIGTERM) == handler
+    return first, resumed, [record.getMessage() for record in errors.buffer], kept
 
 
 def test_import_finetune_loads_neither_torch_nor_trl():
@@ -73,7 +75,7 @@ def test_train_runs_in_this_process_and_resumes_the_launched_run(launched, store
     assert resumed.output_dir == store / "out"
     assert resumed.metrics["step"] == 6
     assert [entry["step"] for entry in resumed.log_history if "loss" in entry] == [1, 2, 3, 4, 5, 6]
-    assert environment_kept, "the kernel's next run would inherit this run's variables (the recipe's env:, MLflow's)"
+    assert environment_kept, "the kernel's next run would inherit this run's variables or SIGTERM handler"
 
 
 def the_one_mlflow_run():
