@@ -25,17 +25,15 @@ from pathlib import Path
 
 import yaml
 
-from finetune import make_callable
+from finetune import make_callable, outcome
 from finetune.config_files import (
     FSDP_V1_REFUSAL,
     local_or_shipped,
-    parse_overrides,
     read_deepspeed_config,
-    read_recipe,
     read_yaml_mapping,
     shipped,
 )
-from finetune.errors import FINISHED_PREFIX, UserError
+from finetune.errors import UserError
 
 SFT_SCRIPT = shipped("scripts/sft.py")
 # The `accelerate launch` flags this command understands; any other flag is scripts/sft.py's.
@@ -92,7 +90,8 @@ def _with_deepspeed_file_found(config_file: str, values: dict) -> str:
 
 
 def planned_config(sft_args: list[str], nodes: int) -> tuple[str | None, int]:
-    """No config file given: the planner's choice for the GPUs visible here; no GPU: one process on the CPU."""
+    """No config file given: the planner's choice for the GPUs visible here; no GPU: one process on the CPU. The
+    planner reads the recipe and flags as the run will (plan.setup_from_recipe); a mistake there is a UserError."""
     import torch
 
     from finetune import plan
@@ -104,11 +103,13 @@ def planned_config(sft_args: list[str], nodes: int) -> tuple[str | None, int]:
     if "--config" not in sft_args:
         raise UserError("command line: finetune launch without --config_file needs --config recipes/M/METHOD.yaml "
                         "to plan for; add it, or pass --config_file.")
-    recipe = sft_args[sft_args.index("--config") + 1]
-    overrides = [arg for arg in sft_args if arg not in ("--config", recipe)]
+    index = sft_args.index("--config")
+    if index + 1 >= len(sft_args):
+        raise UserError("command line: --config needs a recipe path; pass --config recipes/MODEL/METHOD.yaml.")
+    recipe, flags = sft_args[index + 1], sft_args[:index] + sft_args[index + 2:]
     memory_gib = torch.cuda.get_device_properties(0).total_memory / 2**30
-    result = plan.plan(read_recipe(recipe, parse_overrides(overrides)), gpus=gpus,
-                       gpu=torch.cuda.get_device_name(0), gpu_memory_gib=memory_gib, nodes=nodes, recipe_path=recipe)
+    result = plan.plan(plan.recipe_with_flags(recipe, flags), gpus=gpus, gpu=torch.cuda.get_device_name(0),
+                       gpu_memory_gib=memory_gib, nodes=nodes, recipe_path=recipe)
     print(plan.format_plan(result), flush=True)
     if not result.fits:
         raise UserError(f"{recipe}: no strategy fits {gpus * nodes} GPU(s) of {memory_gib:.0f} GiB; "
@@ -170,52 +171,64 @@ def _values_accelerate_would_warn_about(processes: str | None, machines: int) ->
     return values
 
 
-ERROR_PREFIX = "error: "  # how finetune.errors.report prints a user mistake
-SAVED_PREFIX = "[finetune] saved to "
-PREEMPTED_PREFIX = "[finetune] SIGTERM"  # how finetune.checkpoints says a SIGTERM stopped the run, which exits 143
+ERROR_PREFIX = "error: "  # how finetune.errors.report prints a user mistake: what follows it is held back
 
 
 def run_and_report(command: list[str]) -> tuple[int, str | None, str | None]:
     """Run `accelerate launch ...`, its output shown as it comes; once a process has printed a user mistake's one
     sentence, what the launcher prints after it (the other ranks stopping, torch's failure report) is held back.
-    Returns the exit code, that sentence, and the folder the run saved to. The exit code of a run a SIGTERM stopped
-    is 143, whatever the launcher made of it: accelerate 1.15 exits 1 after its torchrun re-raises the signal, and
-    accelerate 1.15-1.16 exit 1 when only the training processes were signalled."""
-    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    found: dict[str, str] = {}
+    Returns the exit code, the user mistake's sentence, and the folder the run saved to, as the training processes
+    wrote them (finetune/outcome.py). The exit code of a run a SIGTERM stopped is 143, whatever the launcher made of
+    it: accelerate 1.15 exits 1 after its torchrun re-raises the signal, and accelerate 1.15-1.16 exit 1 when only the
+    training processes were signalled."""
+    with tempfile.TemporaryDirectory(prefix="finetune-outcome-") as folder:
+        outcome_file = Path(folder) / "outcome.json"
+        code = _run_showing_output(command, {**os.environ, outcome.OUTCOME_FILE: str(outcome_file)})
+        ended = outcome.read(outcome_file)
+    if code != 0 and ended.get("status") == outcome.PREEMPTED:
+        from finetune.checkpoints import PREEMPTED_EXIT_CODE  # transformers: only once a run has ended
 
-    def copy(stream, target, prefixes: tuple[str, ...], stop_after: bool):
+        code = PREEMPTED_EXIT_CODE
+    sentence = ended.get("error") if ended.get("status") == outcome.USER_ERROR else None
+    saved_to = ended.get("output_dir") if ended.get("status") in (outcome.SAVED, outcome.FINISHED_ALREADY) else None
+    return code, sentence, saved_to
+
+
+def _run_showing_output(command: list[str], environment: dict) -> int:
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=environment)
+    error_shown = threading.Event()
+
+    def copy(stream, target, stop_after_error: bool):
         pending = b""
         for chunk in iter(lambda: stream.read1(65536), b""):
-            if found.get(ERROR_PREFIX) and stop_after:
+            if error_shown.is_set() and stop_after_error:
                 continue
             pending += chunk
             lines = pending.split(b"\n")
             pending = lines.pop()
             for line in lines:
                 text = line.decode(errors="replace")
-                for prefix in prefixes:
-                    if text.startswith(prefix) and prefix not in found:
-                        found[prefix] = text[len(prefix):].strip()
-                if not (found.get(ERROR_PREFIX) and stop_after and not text.startswith(ERROR_PREFIX)):
-                    target.write(text + "\n")
-                    target.flush()
+                if stop_after_error and error_shown.is_set():
+                    continue
+                if stop_after_error and text.startswith(ERROR_PREFIX):
+                    error_shown.set()
+                target.write(text + "\n")
+                target.flush()
             if pending and b"\r" in pending:  # progress bars redraw a line without ending it
                 target.write(pending.decode(errors="replace"))
                 target.flush()
                 pending = b""
-        if pending and not found.get(ERROR_PREFIX):
+        if pending and not error_shown.is_set():
             target.write(pending.decode(errors="replace"))
 
-    readers = [threading.Thread(target=copy, args=(child.stdout, sys.stdout,
-                                                   (SAVED_PREFIX, FINISHED_PREFIX, PREEMPTED_PREFIX), False), daemon=True),
-               threading.Thread(target=copy, args=(child.stderr, sys.stderr, (ERROR_PREFIX,), True), daemon=True)]
+    readers = [threading.Thread(target=copy, args=(child.stdout, sys.stdout, False), daemon=True),
+               threading.Thread(target=copy, args=(child.stderr, sys.stderr, True), daemon=True)]
     for reader in readers:
         reader.start()
     forward = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, lambda *_: child.send_signal(signal.SIGTERM)) if forward else None
     try:
-        code = child.wait()
+        return child.wait()
     except KeyboardInterrupt:
         child.send_signal(signal.SIGINT)
         child.wait()
@@ -225,12 +238,6 @@ def run_and_report(command: list[str]) -> tuple[int, str | None, str | None]:
             signal.signal(signal.SIGTERM, previous)
         for reader in readers:
             reader.join(timeout=10)
-    if code != 0 and PREEMPTED_PREFIX in found:
-        from finetune.checkpoints import PREEMPTED_EXIT_CODE  # transformers: only once a run has ended
-
-        code = PREEMPTED_EXIT_CODE
-    finished = found.get(FINISHED_PREFIX, "").split(" holds this run's", 1)[0] or None
-    return code, found.get(ERROR_PREFIX), found.get(SAVED_PREFIX) or finished
 
 
 def main(argv: list[str]) -> int:

@@ -318,12 +318,12 @@ def test_trls_single_gpu_file_trains_one_process_and_says_what_it_ignored(tmp_pa
 
 def test_finetune_launch_exits_143_for_a_run_a_sigterm_stopped_whatever_its_launcher_returned():
     """accelerate 1.15 exits 1 once its torchrun re-raises a SIGTERM, and 1.15-1.16 exit 1 when only the training
-    processes got it; a training process stopped by SIGTERM says so (finetune/checkpoints.py), and that decides."""
+    processes got it; a training process stopped by SIGTERM writes so in its outcome (finetune/outcome.py), which
+    decides."""
     import sys
 
     from finetune import launch
 
-    stopped = ("print('[finetune] SIGTERM: stopped after step 1 of 12 and saved checkpoint-1; exiting with code 143.'); "
-               "raise SystemExit(1)")
+    stopped = "from finetune import outcome; outcome.record(outcome.PREEMPTED, 'out'); raise SystemExit(1)"
     assert launch.run_and_report([sys.executable, "-c", stopped]) == (143, None, None)
     assert launch.run_and_report([sys.executable, "-c", "raise SystemExit(1)"]) == (1, None, None)

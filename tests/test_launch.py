@@ -90,3 +90,23 @@ def test_a_broken_accelerate_file_is_refused_without_importing_trl_or_torch(tmp_
     result = subprocess.run([sys.executable, "-c", probe, str(broken)], capture_output=True, text=True, timeout=60)
     assert result.stdout.split("\n")[0] == "2 []", result.stdout + result.stderr
     assert "broken.yaml: not valid YAML" in result.stderr
+
+
+def test_the_launcher_reads_how_the_run_ended_from_its_outcome_not_from_its_output(capfd):
+    """finetune/outcome.py: the training processes write status, output folder and error sentence; printed text that
+    looks like either is only shown."""
+    import sys
+
+    from finetune import launch
+
+    def child(code: str) -> list[str]:
+        return [sys.executable, "-c", f"import sys; from finetune import outcome; {code}"]
+
+    saved = child("outcome.record(outcome.SAVED, 'out/run'); print('[finetune] saved to elsewhere')")
+    refused = child("outcome.record(outcome.USER_ERROR, error='recipe.yaml: `lr: x` is no number; fix it.'); "
+                    "print('error: recipe.yaml: `lr: x` is no number; fix it.', file=sys.stderr); sys.exit(2)")
+    crashed = child("print('error: looks like a sentence', file=sys.stderr); sys.exit(1)")
+    assert launch.run_and_report(saved) == (0, None, "out/run")
+    assert launch.run_and_report(refused) == (2, "recipe.yaml: `lr: x` is no number; fix it.", None)
+    assert launch.run_and_report(crashed) == (1, None, None)
+    assert "error: looks like a sentence" in capfd.readouterr().err
