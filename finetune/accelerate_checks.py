@@ -23,7 +23,7 @@ from finetune.config_files import (
     local_or_shipped,
     read_yaml_mapping,
 )
-from finetune.errors import UserError
+from finetune.errors import UserError, say
 
 RUNNABLE_TYPES = ("NO", "MULTI_GPU", "FSDP", "DEEPSPEED")
 # accelerate's launcher starts one process for these, whatever num_processes says (several CPU ones only via mpirun)
@@ -230,7 +230,7 @@ def check_run(run) -> None:
                         f"one of them to false.")
     if int(os.environ.get("RANK", "0")) == 0:
         for note in notes:
-            print(f"[finetune] {note}", flush=True)
+            say(f"{note}")
 
 
 def launched_processes() -> int:

@@ -37,7 +37,7 @@ from pathlib import Path
 from transformers import TrainerCallback
 
 from finetune import outcome, patches
-from finetune.errors import UserError
+from finetune.errors import UserError, say
 
 MARKER = "finetune_checkpoint.json"
 FINAL_MARKER = "finetune_final.json"  # written last, after the final model: the run is finished
@@ -49,10 +49,6 @@ OPTIMIZER_STATE = ("optimizer.pt", "optimizer.bin", "optimizer_0", "pytorch_mode
 
 def _is_main() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
-
-
-def _say(message: str) -> None:
-    print(f"[finetune] {message}", flush=True)
 
 
 # ---- Reading checkpoints -----------------------------------------------------------------------------------------
@@ -137,13 +133,13 @@ def newest_complete(output_dir: str | Path, report: bool = False) -> Path | None
         skipped.append((folder, problem))
     if report:
         for folder, problem in skipped:
-            _say(f"skipping {folder}: {problem}")
+            say(f"skipping {folder}: {problem}")
         if chosen is not None and skipped:
-            _say(f"resuming from {chosen}: the newest complete checkpoint")
+            say(f"resuming from {chosen}: the newest complete checkpoint")
         elif chosen is not None:
-            _say(f"resuming from {chosen}")
+            say(f"resuming from {chosen}")
         elif skipped:
-            _say(f"no complete checkpoint in {output_dir}: training from the start")
+            say(f"no complete checkpoint in {output_dir}: training from the start")
     return chosen
 
 
@@ -158,7 +154,7 @@ def resume_point(requested: str | None, output_dir: str, announce: bool = True) 
                 f"--resume_from_checkpoint, or leave it out to resume from the newest complete one."
             )
         if announce and _is_main():
-            _say(f"resuming from {requested}")
+            say(f"resuming from {requested}")
         return str(requested)
     chosen = newest_complete(output_dir, report=_is_main())
     return str(chosen) if chosen is not None else None
@@ -297,7 +293,7 @@ def save_checkpoint_completely(trainer, save, model, trial=None) -> None:
     main = trainer.accelerator.is_main_process
     if main and folder.is_dir() and not (folder / MARKER).is_file():
         shutil.rmtree(folder)  # an earlier save of this same step was interrupted; write it afresh
-        _say(f"removed {folder}: an interrupted save of the same step")
+        say(f"removed {folder}: an interrupted save of the same step")
     trainer.accelerator.wait_for_everyone()
     started, failure = time.monotonic(), None
     try:
@@ -321,7 +317,7 @@ def save_checkpoint_completely(trainer, save, model, trial=None) -> None:
     if main:
         write_marker(folder, step, trainer.accelerator.num_processes)
         for deleted in rotate(run_dir, trainer.args.save_total_limit, {trainer.state.best_model_checkpoint} - {None}):
-            _say(f"deleted {deleted} (save_total_limit={trainer.args.save_total_limit})")
+            say(f"deleted {deleted} (save_total_limit={trainer.args.save_total_limit})")
     trainer.accelerator.wait_for_everyone()
     trainer.last_save_seconds = time.monotonic() - started
 
@@ -405,7 +401,7 @@ class Preemption(TrainerCallback):
         if self.signal_time is None:
             self.signal_time = time.monotonic()
         if self.trainer.state.global_step == self.saved_step:
-            _say(f"SIGTERM before any step since step {self.saved_step}: nothing to save; exiting with code "
+            say(f"SIGTERM before any step since step {self.saved_step}: nothing to save; exiting with code "
                  f"{PREEMPTED_EXIT_CODE} now. Relaunch the same command to resume.")
             outcome.record(outcome.PREEMPTED, output_dir=self.trainer.args.output_dir)
             sys.stdout.flush()
@@ -455,7 +451,7 @@ def exit_if_preempted(trainer) -> None:
         outcome.record(outcome.PREEMPTED, output_dir=trainer.args.output_dir)
         after_signal = time.monotonic() - preemption.signal_time
         save_seconds = trainer.last_save_seconds
-        _say(
+        say(
             f"SIGTERM: stopped after step {preemption.stopped_at} of {trainer.state.max_steps} and saved "
             f"checkpoint-{preemption.stopped_at} {after_signal:.2f} s after the signal (longest step "
             f"{preemption.longest_step:.2f} s, save {save_seconds:.2f} s); the grace period between SIGTERM and "

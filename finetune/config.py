@@ -32,7 +32,7 @@ from finetune.config_files import (
     requested_strategy,
     shipped,
 )
-from finetune.errors import RunFinished, UserError
+from finetune.errors import RunFinished, UserError, say
 from finetune.tiny import TINY_WIDTH
 
 RUN_RECORD = "finetune_run.json"
@@ -238,7 +238,7 @@ def _read_foreign_keys(recipe: dict, recipe_path: str) -> dict:
             del recipe["streaming"]
         notes.append(f"read TRL's {' and '.join(f'`{key}`' for key in moved)} as `dataset_mixture`")
     if notes and os.environ.get("RANK", "0") == "0":
-        print(f"[finetune] {recipe_path}: {'; '.join(notes)}", flush=True)
+        say(f"{recipe_path}: {'; '.join(notes)}")
     return recipe
 
 
@@ -446,7 +446,7 @@ def _scale_down_for_tiny(script: ScriptArguments, training: SFTConfig, finetune:
             replaced.append(f"{key} {str(value).lower() if isinstance(value, bool) else value} with {instead}")
             setattr(training, key, False if key == "push_to_hub" else None)
     if replaced:
-        print(f"[finetune] --tiny replaced {', '.join(replaced)}", flush=True)
+        say(f"--tiny replaced {', '.join(replaced)}")
 
 
 def _mixture_paths(mixture) -> list[str] | None:
@@ -685,6 +685,10 @@ def check_deepspeed_agrees(run: RunConfig) -> None:
     blocks = [f"its `{block}` block ({(deepspeed[block] or {}).get('type')}) would replace the recipe's "
               f"`{key}: {getattr(getattr(training, key), 'value', getattr(training, key))}`"
               for block, key in DEEPSPEED_BLOCKS.items() if block in deepspeed]
+    compiling = deepspeed.get("compile") or {}
+    if compiling and not compiling.get("disable", False) and not training.torch_compile:  # DeepSpeed compiles only then
+        blocks.append(f"its `compile` block ({compiling.get('backend', 'inductor')}) is ignored by a run that is not "
+                      f"compiled (`torch_compile: false`)")
     if not values and not blocks:
         return
     fixes = ([f"set {'them' if len(values) > 1 else 'it'} to \"auto\""] if values else []) + (
@@ -752,8 +756,8 @@ def check_output_dir(run: RunConfig) -> None:
         )
     recorded = recorded_run(output_dir)
     if not recorded:  # cut short by a crash before it was written atomically
-        print(f"[finetune] {record_file} is unreadable; taking {output_dir} as this run's folder and writing it "
-              f"again.", flush=True)
+        say(f"{record_file} is unreadable; taking {output_dir} as this run's folder and writing it "
+              f"again.")
         recorded = run_identity(run)
     differing = [(key, recorded.get(key), value) for key, value in run_identity(run).items() if recorded.get(key) != value]
     if differing:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from finetune.errors import UserError
+from finetune.errors import UserError, say
 
 # The files the project ships beside the library (recipes/, accelerate_configs/, ds_configs/, data/sample), reached
 # through links inside the package so that a wheel (`pip install .` without -e) carries them too.
@@ -80,8 +80,8 @@ def read_recipe(recipe_path: str | Path, overrides: dict | None = None) -> dict:
     overrides, renamed_flags = with_current_names(overrides or {}, "command line")
     if (renamed or renamed_flags) and os.environ.get("RANK", "0") == "0":
         # on stderr: `finetune plan --json` prints its plan on stdout
-        print(f"[finetune] {recipe_path}: read {', '.join(renamed + renamed_flags)} (TRL 1.x's and transformers 5's "
-              f"names for the same settings)", file=sys.stderr, flush=True)
+        say(f"{recipe_path}: read {', '.join(renamed + renamed_flags)} (TRL 1.x's and transformers 5's "
+              f"names for the same settings)", stream=sys.stderr)
     return {**recipe, **overrides}
 
 

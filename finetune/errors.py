@@ -23,6 +23,12 @@ class RunFinished(Exception):
 FINISHED_PREFIX = "[finetune] finished already: "
 
 
+def say(message: str, stream=None) -> None:
+    """The one way the toolkit tells the user something: one `[finetune] ` line, flushed at once (launchers and
+    notebooks interleave several processes' output)."""
+    print(f"[finetune] {message}", file=stream or sys.stdout, flush=True)
+
+
 def report(error: UserError) -> int:
     """Print a user mistake as one line on stderr; the exit code that goes with it."""
     print(f"error: {error}", file=sys.stderr, flush=True)

@@ -16,6 +16,8 @@ ParamWrapper around a GPT-OSS experts module for `GroupedExpertsLora`, whose for
 import torch
 from peft.tuners.lora.layer import ParamWrapper
 
+from finetune.errors import say
+
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
 
 
@@ -275,5 +277,5 @@ def use_kernel(trainer, kernel: str) -> int:
     Logs how many experts modules take it, the line that shows which path a run took."""
     installed = install(trainer.model) if kernel == "grouped" else 0
     if installed and trainer.accelerator.is_main_process:
-        print(f"[finetune] expert LoRA: grouped GEMMs in {installed} experts modules", flush=True)
+        say(f"expert LoRA: grouped GEMMs in {installed} experts modules")
     return installed

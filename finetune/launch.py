@@ -33,7 +33,7 @@ from finetune.config_files import (
     read_yaml_mapping,
     shipped,
 )
-from finetune.errors import UserError
+from finetune.errors import UserError, say
 
 SFT_SCRIPT = shipped("scripts/sft.py")
 # The `accelerate launch` flags this command understands; any other flag is scripts/sft.py's.
@@ -98,7 +98,7 @@ def planned_config(sft_args: list[str], nodes: int) -> tuple[str | None, int]:
 
     gpus = torch.cuda.device_count()
     if gpus == 0:
-        print("[finetune] launch: no GPU visible, so one process on the CPU (no accelerate config file)", flush=True)
+        say("launch: no GPU visible, so one process on the CPU (no accelerate config file)")
         return None, 1
     if "--config" not in sft_args:
         raise UserError("command line: finetune launch without --config_file needs --config recipes/M/METHOD.yaml "
@@ -243,7 +243,7 @@ def _run_showing_output(command: list[str], environment: dict) -> int:
 def main(argv: list[str]) -> int:
     """Run `accelerate launch ...`: its exit code is the run's (2 after a user mistake, shown as its one line)."""
     command = accelerate_command(argv)
-    print("[finetune] launch: " + " ".join(shlex.quote(part) for part in command), flush=True)
+    say("launch: " + " ".join(shlex.quote(part) for part in command))
     code, sentence, _ = run_and_report(command)
     return 2 if sentence else code
 

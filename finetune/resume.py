@@ -23,7 +23,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from finetune.errors import UserError
+from finetune.errors import UserError, say
 
 FIXED = {
     "model_name_or_path": "the model", "tiny": "the model", "tiny_width": "the model", "use_peft": "the method",
@@ -113,7 +113,7 @@ def check_relaunch(run, recorded: dict, checkpoint: Path, output_dir: Path) -> l
         )
     applied = schedule + _changes(recorded, now, CHANGEABLE)
     if applied and int(os.environ.get("RANK", "0")) == 0:
-        print(f"[finetune] resuming from {checkpoint.name} with {_listed(applied)} applied from its step on.", flush=True)
+        say(f"resuming from {checkpoint.name} with {_listed(applied)} applied from its step on.")
     return [name for name, _, _ in applied]
 
 

@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
+from finetune.errors import say
+
 SPEED_RECORD = "finetune_speed.json"
 WARMUP_STEPS = 5  # steady state: from the first logged step after these to the last
 
@@ -65,7 +67,7 @@ class SpeedRecord(TrainerCallback):
         record = self.summary()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.write_text(json.dumps(record, indent=1) + "\n")
-        print(f"[finetune] speed: {describe(record)} ({self.path})", flush=True)
+        say(f"speed: {describe(record)} ({self.path})")
 
     def summary(self) -> dict:
         first, last = self.steps[0], self.steps[-1]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from finetune.errors import UserError
+from finetune.errors import UserError, say
 
 MLFLOW_RUN_FILE = "mlflow_run.json"
 
@@ -105,8 +105,8 @@ class MlflowRecord(TrainerCallback):
         changed = {key: value for key, value in params.items() if key in logged and logged[key] != value}
         if changed:
             mlflow.set_tags({f"relaunch.{key}": value for key, value in changed.items()})
-            print(f"[finetune] MLflow keeps a run's first value of a param; this launch's values are its relaunch.* "
-                  f"tags: {', '.join(f'{key} {logged[key]} -> {value}' for key, value in changed.items())}", flush=True)
+            say(f"MLflow keeps a run's first value of a param; this launch's values are its relaunch.* "
+                  f"tags: {', '.join(f'{key} {logged[key]} -> {value}' for key, value in changed.items())}")
         if self.setup_check.setup is not None:
             mlflow.set_tags({f"setup.{key}": str(value) for key, value in self.setup_check.setup.items()})
             mlflow.log_dict(self.setup_check.setup, "setup.json")

@@ -12,12 +12,12 @@ from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel, TrainerCallback
 from trl import SFTTrainer
 
-from finetune import (attention, checkpoints, compilation, expert_lora, fp8, inference, make_callable, patches, resume,
-                      speed, tracking)
+from finetune import (attention, checkpoints, compilation, evaluation, expert_lora, fp8, inference, make_callable,
+                      outcome, patches, resume, speed, tracking)
 from finetune import model as model_loading
 from finetune.config import RUN_RECORD, RunConfig, run_identity, training_length
 from finetune.config_files import accelerate_config_file, requested_strategy
-from finetune.errors import UserError
+from finetune.errors import UserError, say
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +125,7 @@ class SetupCheck(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         self.setup = describe_setup(self.trainer)
         if self.trainer.accelerator.is_main_process:
-            print(f"[finetune] setup: {json.dumps(self.setup)}", flush=True)
+            say(f"setup: {json.dumps(self.setup)}")
         problem = setup_problem(self.setup, requested_strategy(), int(os.environ.get("WORLD_SIZE", "1")))
         if problem:
             raise SetupMismatch(
@@ -165,15 +165,15 @@ def build_trainer(run: RunConfig, model: PreTrainedModel, tokenizer, train_set, 
     attention.keep_packed_documents_apart(trainer.model)
     expert_lora.use_kernel(trainer, run.finetune.expert_lora_kernel)
     if in_float8 and trainer.accelerator.is_main_process:
-        print(f"[finetune] fp8: {len(in_float8)} linear layers train in float8 ({fp8.SCALING} scaling); the LM head, "
-              f"embeddings and norms in {str(model.dtype).removeprefix('torch.')}", flush=True)
+        say(f"fp8: {len(in_float8)} linear layers train in float8 ({fp8.SCALING} scaling); the LM head, "
+              f"embeddings and norms in {str(model.dtype).removeprefix('torch.')}")
     trainer.add_callback(resume.ResumedRun(run.finetune.resume_with_new_schedule, run.training.learning_rate))
     trainer.add_callback(speed.SpeedRecord(run.training.output_dir, trainer.accelerator.is_main_process))
     setup_check = SetupCheck(trainer, accelerate_config_file())
     trainer.add_callback(setup_check)
     if tracking.wanted(run.training):
         trainer.add_callback(tracking.MlflowRecord(run, setup_check))
-    scores = inference.before_after_callback(eval_set, run.finetune.eval_samples_before_after, tokenizer)
+    scores = evaluation.before_after_callback(eval_set, run.finetune.eval_samples_before_after, tokenizer)
     if scores is not None:
         trainer.add_callback(scores)
     return trainer
@@ -198,8 +198,7 @@ def train_and_save(trainer: SFTTrainer, run: RunConfig, tokenizer) -> None:
         try:
             trainer.train(resume_from_checkpoint=resume_from)
         except resume.NothingLeftToTrain:
-            print(f"[finetune] {resume_from} is at max_steps: nothing left to train; writing the final model from it.",
-                  flush=True)
+            say(f"{resume_from} is at max_steps: nothing left to train; writing the final model from it.")
     checkpoints.exit_if_preempted(trainer)  # SIGTERM: the checkpoint is saved; exit 143 without the final save
     checkpoints.save_final_completely(trainer, output_dir)
     with checkpoints.writes_reported(output_dir):
@@ -213,15 +212,16 @@ def write_beside_the_model(trainer: SFTTrainer, run: RunConfig, tokenizer, befor
     if trainer.accelerator.is_main_process:
         losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
         if losses:
-            print(f"[finetune] train loss: {' -> '.join(f'{loss:.3f}' for loss in losses)}", flush=True)
+            say(f"train loss: {' -> '.join(f'{loss:.3f}' for loss in losses)}")
         save_loss_plot(trainer.state.log_history, Path(output_dir) / LOSS_PLOT)
         tracking.log_outputs(run.training, [Path(output_dir) / name for name in (LOSS_PLOT, RUN_RECORD, DATA_RECORD)])
         if before is not None:
             after = model_loading.answer(trainer.model, tokenizer, run.finetune.sample_prompt,
                                         chat_template_kwargs=run.finetune.chat_template_kwargs)
-            print(f"[finetune] {run.finetune.sample_prompt!r}\n  before training: {before!r}\n  after training:  {after!r}")
+            say(f"{run.finetune.sample_prompt!r}\n  before training: {before!r}\n  after training:  {after!r}")
         checkpoints.write_final_marker(output_dir, trainer.state.global_step, training_length(run.training))
-        print(f"[finetune] saved to {output_dir}", flush=True)
+        outcome.record(outcome.SAVED, output_dir=output_dir)
+        say(f"saved to {output_dir}")
 
 
 def finish_run(trainer: SFTTrainer) -> None:
