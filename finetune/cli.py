@@ -61,15 +61,9 @@ def check_writable_file(path: str, flag: str) -> None:
 
 def _run_plan(args: argparse.Namespace, extra: list[str]) -> int:
     from finetune import plan as planner
-    from finetune.config_files import parse_overrides, read_recipe
 
-    values = read_recipe(args.config, parse_overrides(extra))
-    try:
-        result = planner.plan(values, gpus=args.gpus, gpu=args.gpu, gpu_memory_gib=args.gpu_memory, nodes=args.nodes,
-                              recipe_path=args.config, extra_args=extra)
-    except ValueError as e:
-        print(f"finetune plan: {e}", file=sys.stderr)
-        return 2
+    result = planner.plan(planner.recipe_with_flags(args.config, extra), gpus=args.gpus, gpu=args.gpu,
+                          gpu_memory_gib=args.gpu_memory, nodes=args.nodes, recipe_path=args.config, extra_args=extra)
     if args.json:
         print(json.dumps(result.to_json(), indent=2))
     else:
@@ -83,8 +77,9 @@ def add_plan(subparsers) -> None:
         help="estimate per-GPU memory for DDP/FSDP2/ZeRO and print the accelerate command that fits",
         description="Estimate per-GPU peak memory of a recipe under DDP, ZeRO-2, FSDP2, ZeRO-3 and ZeRO-3 offload, "
         "choose the cheapest that fits, print the accelerate launch command. Extra --key value arguments override "
-        "the recipe (e.g. --max_length 4096 --gradient_checkpointing false) and are passed on to the command. "
-        "Exit status: 0 when something fits, 1 when nothing does.",
+        "the recipe (e.g. --max_length 4096 --gradient_checkpointing false) and are passed on to the command; what "
+        "the recipe leaves out is planned at the run's default. Exit status: 0 when something fits, 1 when nothing "
+        "does, 2 after a mistake in the recipe or a flag (said in one `error:` line).",
     )
     p.add_argument("--config", required=True, help="recipe YAML (recipes/MODEL/METHOD.yaml)")
     p.add_argument("--gpus", type=whole_number(1), default=1, help="GPUs per node")
@@ -188,10 +183,10 @@ def add_generate(subparsers) -> None:
 
 
 def _run_eval(args: argparse.Namespace, extra: list[str]) -> int:
-    from finetune import data, inference
+    from finetune import data, evaluation, inference
 
     names = [args.output_dir] + ([args.compare] if args.compare else [])
-    conversations = inference.held_out_conversations(data.load_split(args.dataset_name, args.split), args.limit)
+    conversations = evaluation.held_out_conversations(data.load_split(args.dataset_name, args.split), args.limit)
     if not conversations:
         raise UserError(f"{args.dataset_name}: no rows end in an assistant turn to score; pass conversations "
                         f"(`messages`) or prompt-completion rows.")
@@ -206,17 +201,17 @@ def _run_eval(args: argparse.Namespace, extra: list[str]) -> int:
     scores = {}
     for name, checked in zip(names, loadable):
         model, tokenizer = inference.load_checked(checked)
-        scores[name] = inference.score(model, tokenizer, conversations, args.batch_size, args.max_new_tokens)
+        scores[name] = evaluation.score(model, tokenizer, conversations, args.batch_size, args.max_new_tokens)
         del model
     answers = {name: result.pop("answers") for name, result in scores.items()}
     Path(report_file).write_text(json.dumps({
         "dataset": args.dataset_name, "split": args.split, "scores": scores,
-        "examples": inference.examples(conversations, answers),
+        "examples": evaluation.examples(conversations, answers),
     }, indent=2, ensure_ascii=False) + "\n")
     width = max(len(name) for name in names)
     for name in names:
         print(f"[finetune] eval {name:<{width}}  {args.dataset_name} [{args.split}], {len(conversations)} rows: "
-              f"{inference.summary(scores[name])}")
+              f"{evaluation.summary(scores[name])}")
     print(f"[finetune] report written to {report_file}")
     return 0
 

@@ -2,7 +2,8 @@
 
 `finetune plan --config recipes/X.yaml --gpus 8 --gpu H100` reads the recipe and the model's architecture (the
 project's copy of the hub config, or a local folder's config.json), estimates the peak memory of one GPU for each
-technique, and picks the cheapest one that fits with a safety margin. Only json/yaml are imported here, never torch
+technique, and picks the cheapest one that fits with a safety margin. It reads the recipe as the run does
+(`setup_from_recipe`: what the recipe leaves out is the run's default). Only json/yaml are imported here, never torch
 or transformers: the answer comes in well under a second.
 
 How the peak is built (all per GPU, bytes), see docs/planner.md for the measurements behind the constants:
@@ -25,11 +26,19 @@ and shrink against each other and the peak is at one end of the backward pass.
 
 from __future__ import annotations
 
+import ast
+import contextlib
+import functools
+import importlib.util
+import json
 import math
 import shlex
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 
-from finetune.architectures import config_values
+from finetune.config_files import parse_overrides, read_recipe
+from finetune.errors import UserError
+from finetune.families import FAMILIES, config_values, family_of_type
 
 GIB = 1024**3
 
@@ -74,6 +83,7 @@ class Architecture:
     attention_bias: bool = False
     experts: int = 0  # 0: dense MLP
     experts_per_token: int = 0
+    family: str = "llama"  # whose layer layout (finetune/families.py); one built by hand is a Llama's
 
     @property
     def attn_dim(self) -> int:
@@ -107,44 +117,54 @@ def architecture_from_config(values: dict, name: str = "") -> Architecture:
         attention_bias=bool(text.get("attention_bias", False)),
         experts=experts,
         experts_per_token=(text.get("num_experts_per_tok") or text.get("experts_per_token") or 0) if experts else 0,
+        family=family_of_type(values.get("model_type"), name or "config.json").name,
     )
 
 
-def architecture_of(model_name_or_path: str) -> Architecture:
-    """The planner's numbers for a known hub id or a local folder with a config.json. Never downloads."""
-    name, values = config_values(model_name_or_path)
-    return architecture_from_config(values, name)
+def architecture_of(model_name_or_path: str, source: str = "command line") -> Architecture:
+    """The planner's numbers for a known hub id or a local folder with a config.json. Never downloads. A model it
+    cannot read is a UserError naming `source` (the recipe) or the config.json."""
+    try:
+        name, values = config_values(model_name_or_path)
+    except json.JSONDecodeError as error:
+        raise UserError(f"{model_name_or_path}/config.json: not valid JSON at line {error.lineno}; fix the syntax "
+                        f"there.") from None
+    except ValueError as error:
+        raise UserError(f"{source}: the planner cannot read `model_name_or_path: {model_name_or_path}` "
+                        f"({str(error).rstrip('.')}); give a local folder holding the model's config.json, or pass "
+                        f"--config_file to `finetune launch` to choose the technique yourself.") from None
+    try:
+        return architecture_from_config(values, name)
+    except KeyError as missing:
+        raise UserError(f"{model_name_or_path}/config.json: no `{missing.args[0]}`, which the planner needs for a "
+                        f"decoder-only language model; give the folder of such a model.") from None
 
 
 # ---- Parameter counts --------------------------------------------------------------------------------------------
+def attention_linears(a: Architecture) -> dict[str, tuple[int, int]]:
+    """Per decoder layer: (input features, output features) of q, k, v, o."""
+    return {"q_proj": (a.hidden, a.attn_dim), "k_proj": (a.hidden, a.kv_dim), "v_proj": (a.hidden, a.kv_dim),
+            "o_proj": (a.attn_dim, a.hidden)}
+
+
 def attention_params(a: Architecture) -> dict[str, int]:
     """Per decoder layer: input features x output features (+ bias) of q, k, v, o."""
     bias = 1 if a.attention_bias else 0
-    shapes = {
-        "q_proj": (a.hidden, a.attn_dim),
-        "k_proj": (a.hidden, a.kv_dim),
-        "v_proj": (a.hidden, a.kv_dim),
-        "o_proj": (a.attn_dim, a.hidden),
-    }
-    return {k: i * o + bias * o for k, (i, o) in shapes.items()}
+    return {k: i * o + bias * o for k, (i, o) in attention_linears(a).items()}
 
 
 def mlp_params(a: Architecture) -> dict[str, int]:
-    """Per decoder layer. Dense: gate, up, down. MoE (GPT-OSS layout): router + every expert's fused gate_up and down."""
-    if not a.is_moe:
-        return {n: a.hidden * a.intermediate for n in ("gate_proj", "up_proj", "down_proj")}
-    e, h, i = a.experts, a.hidden, a.intermediate
-    return {
-        "router": h * e + e,
-        "experts.gate_up_proj": e * h * 2 * i + e * 2 * i,
-        "experts.down_proj": e * i * h + e * h,
-    }
+    """Per decoder layer, as the family lays it out (finetune/families.py): its MLP's linear layers (Llama: gate, up,
+    down), or every expert's weights and biases (GPT-OSS: fused gate_up, and down)."""
+    family = FAMILIES[a.family]
+    linears = {name: i * o for name, (i, o) in family.mlp_linears(a).items()}
+    return linears | {f"experts.{name}": a.experts * (i * o + o) for name, (i, o) in family.expert_weights(a).items()}
 
 
 def layer_params(a: Architecture) -> int:
     norms = 2 * a.hidden
-    sinks = a.heads if a.is_moe else 0  # GPT-OSS's per-head attention sinks
-    return sum(attention_params(a).values()) + sum(mlp_params(a).values()) + norms + sinks
+    other = FAMILIES[a.family].other_layer_parameters(a)  # GPT-OSS: the router and the per-head attention sinks
+    return sum(attention_params(a).values()) + sum(mlp_params(a).values()) + norms + other
 
 
 def embedding_params(a: Architecture) -> int:
@@ -158,17 +178,15 @@ def total_params(a: Architecture) -> int:
 
 def linear_params_per_layer(a: Architecture) -> int:
     """Weights that bitsandbytes quantizes to 4 bit: the decoder layers' nn.Linear weights (not MoE's 3-D experts)."""
-    attn = sum(i * o for i, o in ((a.hidden, a.attn_dim), (a.hidden, a.kv_dim), (a.hidden, a.kv_dim), (a.attn_dim, a.hidden)))
-    return attn + (0 if a.is_moe else 3 * a.hidden * a.intermediate)
+    linears = attention_linears(a) | FAMILIES[a.family].mlp_linears(a)
+    return sum(i * o for i, o in linears.values())
 
 
 # ---- Recipe settings ---------------------------------------------------------------------------------------------
-ALL_LINEAR_DENSE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
 @dataclass
 class Setup:
-    """What the recipe (plus command-line overrides) says, in the planner's terms."""
+    """What the recipe (plus command-line overrides) says, in the planner's terms. These defaults are for a setup
+    built by hand (tests, benchmarks); `setup_from_recipe` takes what a recipe leaves out from the run's defaults."""
 
     model: str
     method: str = "full"  # full | lora | qlora
@@ -196,10 +214,71 @@ class Setup:
         return self.max_length * self.batch
 
 
+# The dataclasses the run parses a recipe into (finetune/config.py: TRL's parser over these), each after the classes
+# it inherits from, so that a later default wins as SFTConfig's wins over TrainingArguments'. Their defaults are read
+# from their source: importing SFTConfig imports torch and transformers, about 14 s against 0.2-0.3 s for the whole
+# plan (docs/planner.md). A file that another version of a library does not have is skipped.
+RUN_DATACLASSES = (
+    ("transformers", "training_args.py", "TrainingArguments"),
+    ("trl", "trainer/base_config.py", "_BaseConfig"),
+    ("trl", "trainer/sft_config.py", "SFTConfig"),
+    ("trl", "trainer/model_config.py", "ModelConfig"),
+    ("finetune", "config.py", "FinetuneArguments"),
+)
+# Defaults those dataclasses compute instead of writing them out, as they come out on the torch this toolkit needs
+COMPUTED_DEFAULTS = {"optim": "adamw_torch_fused"}  # TrainingArguments: the fused AdamW from torch 2.8 on
+# One setting under two names (transformers 5.2x renamed it); the run reads either (finetune/config.py)
+CHECKPOINTING_NAMES = ("gradient_checkpointing", "activation_checkpointing")
+# How the run's parser reads a yes/no value (transformers' string_to_bool); anything else it refuses
+BOOLEAN_WORDS = {"yes": True, "true": True, "t": True, "y": True, "1": True,
+                 "no": False, "false": False, "f": False, "n": False, "0": False}
+
+
+@functools.cache
+def run_defaults() -> dict:
+    """The default of each field of RUN_DATACLASSES that is written out as a literal, and COMPUTED_DEFAULTS."""
+    defaults = dict(COMPUTED_DEFAULTS)
+    for package, file, class_name in RUN_DATACLASSES:
+        source = Path(importlib.util.find_spec(package).submodule_search_locations[0]) / file  # found, not imported
+        if source.is_file():
+            defaults |= _declared_defaults(ast.parse(source.read_text(encoding="utf-8")), class_name)
+    return defaults
+
+
+def _declared_defaults(module: ast.Module, class_name: str) -> dict:
+    """`name: type = value` and `name: type = field(default=value, ...)` of one class, where the value is a literal."""
+    classes = (node for node in ast.walk(module) if isinstance(node, ast.ClassDef) and node.name == class_name)
+    found = next(classes, None)
+    defaults = {}
+    for statement in found.body if found else []:
+        if not (isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name) and statement.value):
+            continue
+        value = statement.value
+        if isinstance(value, ast.Call) and getattr(value.func, "id", None) == "field":
+            value = next((keyword.value for keyword in value.keywords if keyword.arg == "default"), None)
+        with contextlib.suppress(ValueError):  # a name or a default_factory: computed (COMPUTED_DEFAULTS)
+            defaults[statement.target.id] = ast.literal_eval(value)
+    return defaults
+
+
 def _as_bool(value) -> bool:
-    if isinstance(value, str):
-        return value.strip().lower() in ("1", "true", "yes", "on")
-    return bool(value)
+    if isinstance(value, bool):
+        return value
+    if str(value).lower() not in BOOLEAN_WORDS:
+        raise ValueError(value)
+    return BOOLEAN_WORDS[str(value).lower()]
+
+
+def _as_int(value) -> int:
+    return int(str(value))  # as argparse reads the value: `2.0` and `true` are refused
+
+
+def _as_float(value) -> float:
+    return float(str(value))
+
+
+# What a value must be, said in the refusal of one that is not
+KINDS = {_as_bool: "true or false", _as_int: "a whole number", _as_float: "a number"}
 
 
 def _as_tuple(value) -> tuple[str, ...]:
@@ -210,48 +289,76 @@ def _as_tuple(value) -> tuple[str, ...]:
     return tuple(str(v) for v in value)
 
 
-def setup_from_recipe(values: dict) -> Setup:
-    peft = _as_bool(values.get("use_peft", False))
-    four_bit = _as_bool(values.get("load_in_4bit", False))
-    method = "qlora" if four_bit and peft else ("lora" if peft else "full")
-    targets = _as_tuple(values.get("lora_target_modules"))
-    dtype = values.get("dtype") or values.get("torch_dtype") or "float32"
+def recipe_with_flags(recipe_path: str, argv: list[str]) -> dict:
+    """The recipe with the command line's `--key value` flags on top (read_recipe: old names read as their new ones);
+    a flag of either checkpointing name replaces the recipe's other one, as in the run."""
+    flags = parse_overrides(argv)
+    values = read_recipe(recipe_path, flags)
+    flagged = [name for name in CHECKPOINTING_NAMES if name in flags]
+    if len(flagged) == 1:
+        values.pop(next(name for name in CHECKPOINTING_NAMES if name != flagged[0]), None)
+    return values
+
+
+def _run_value(values: dict, key: str, source: str, read=None):
+    """The recipe's value of `key`, else the run's default, read as the run's parser reads it."""
+    value = values[key] if key in values else run_defaults()[key]
+    if value is None or read is None:
+        return value
+    try:
+        return read(value)
+    except ValueError:
+        raise UserError(f"{source}: `{key}: {value}` is not {KINDS[read]}; give {KINDS[read]} there.") from None
+
+
+def _checkpointing(values: dict, source: str) -> bool:
+    given = [name for name in CHECKPOINTING_NAMES if name in values]
+    if len(given) == 2:
+        raise UserError(f"{source}: both `gradient_checkpointing` and `activation_checkpointing` are set, one setting "
+                        f"under its old and new name; keep one of them.")
+    return bool(_run_value(values, (given or CHECKPOINTING_NAMES)[0], source, _as_bool))  # null: off, as in the run
+
+
+def setup_from_recipe(values: dict, source: str = "recipe") -> Setup:
+    """The planner's terms for a recipe's values (read_recipe's or recipe_with_flags'): a key the recipe leaves out
+    at the run's default (run_defaults), each value read as the run reads it and one the run would refuse refused in
+    a sentence naming `source`. The CPU's replacements (finetune/cpu.py) are not applied: the plan is for GPUs."""
+    model = _run_value(values, "model_name_or_path", source)
+    if not model:
+        raise UserError(f"{source}: `model_name_or_path` is not set; give a hub id or a local folder.")
+    peft = _run_value(values, "use_peft", source, _as_bool)
+    four_bit = _run_value(values, "load_in_4bit", source, _as_bool)
+    dtype = _run_value(values, "dtype", source) or "auto"  # the run loads with "auto" when the recipe empties it
+    bf16 = _run_value(values, "bf16", source, _as_bool)
     return Setup(
-        model=str(values["model_name_or_path"]),
-        method=method,
-        lora_r=int(values.get("lora_r", 16)),
-        lora_dropout=float(values.get("lora_dropout", 0.05)),
-        lora_target_modules=targets,
-        lora_target_parameters=_as_tuple(values.get("lora_target_parameters")),
-        max_length=int(values.get("max_length") or 1024),
-        batch=int(values.get("per_device_train_batch_size", 8)),
-        gradient_accumulation_steps=int(values.get("gradient_accumulation_steps") or 1),
-        gradient_checkpointing=_as_bool(values.get("gradient_checkpointing", False)),
-        activation_offloading=_as_bool(values.get("activation_offloading", False)),
-        optim=str(values.get("optim", "adamw_torch_fused")),
-        dtype="bfloat16" if dtype == "auto" else str(dtype),
-        bf16=_as_bool(values.get("bf16", True)),
-        use_liger_kernel=_as_bool(values.get("use_liger_kernel", False)),
-        attn_implementation=str(values.get("attn_implementation") or "sdpa"),
-        torch_compile=_as_bool(values.get("torch_compile", False)),
-        fp8=_as_bool(values.get("fp8", False)),
-        activation_memory_budget=float(values.get("activation_memory_budget") or 1.0),
-        expert_lora_kernel=str(values.get("expert_lora_kernel") or "grouped"),
+        model=str(model),
+        method="qlora" if four_bit and peft else ("lora" if peft else "full"),
+        lora_r=_run_value(values, "lora_r", source, _as_int),
+        lora_dropout=_run_value(values, "lora_dropout", source, _as_float),
+        lora_target_modules=_as_tuple(_run_value(values, "lora_target_modules", source)),
+        lora_target_parameters=_as_tuple(_run_value(values, "lora_target_parameters", source)),
+        # null (no truncation): rows as long as the data, unknown here, so planned at TRL's default length
+        max_length=_run_value(values, "max_length", source, _as_int) or run_defaults()["max_length"],
+        batch=_run_value(values, "per_device_train_batch_size", source, _as_int),
+        gradient_accumulation_steps=_run_value(values, "gradient_accumulation_steps", source, _as_int) or 1,
+        gradient_checkpointing=_checkpointing(values, source),
+        activation_offloading=bool(_run_value(values, "activation_offloading", source, _as_bool)),
+        optim=str(_run_value(values, "optim", source)),
+        dtype="bfloat16" if dtype == "auto" else str(dtype),  # the stored configs of the known models say bfloat16
+        bf16=not _run_value(values, "fp16", source, _as_bool) if bf16 is None else bf16,  # TRL: bf16 unless fp16
+        use_liger_kernel=bool(_run_value(values, "use_liger_kernel", source, _as_bool)),
+        attn_implementation=str(_run_value(values, "attn_implementation", source) or "sdpa"),  # transformers' choice
+        torch_compile=bool(_run_value(values, "torch_compile", source, _as_bool)),
+        fp8=bool(_run_value(values, "fp8", source, _as_bool)),
+        activation_memory_budget=_run_value(values, "activation_memory_budget", source, _as_float) or 1.0,
+        expert_lora_kernel=str(_run_value(values, "expert_lora_kernel", source) or "grouped"),
     )
 
 
 # ---- Trainable parameters ----------------------------------------------------------------------------------------
 def lora_targets(a: Architecture, s: Setup) -> dict[str, tuple[int, int]]:
     """The adapted nn.Linear modules of one layer: name -> (in_features, out_features)."""
-    shapes = {
-        "q_proj": (a.hidden, a.attn_dim),
-        "k_proj": (a.hidden, a.kv_dim),
-        "v_proj": (a.hidden, a.kv_dim),
-        "o_proj": (a.attn_dim, a.hidden),
-    }
-    if not a.is_moe:
-        shapes |= {"gate_proj": (a.hidden, a.intermediate), "up_proj": (a.hidden, a.intermediate),
-                   "down_proj": (a.intermediate, a.hidden)}
+    shapes = attention_linears(a) | FAMILIES[a.family].mlp_linears(a)
     targets = s.lora_target_modules or ("q_proj", "v_proj")  # peft's default for Llama-like models
     if "all-linear" in targets:
         return shapes
@@ -260,9 +367,7 @@ def lora_targets(a: Architecture, s: Setup) -> dict[str, tuple[int, int]]:
 
 def lora_expert_targets(a: Architecture, s: Setup) -> dict[str, tuple[int, int]]:
     """Adapted 3-D expert parameters (peft target_parameters): name -> (in, out) of one expert."""
-    if not a.is_moe:
-        return {}
-    shapes = {"gate_up_proj": (a.hidden, 2 * a.intermediate), "down_proj": (a.intermediate, a.hidden)}
+    shapes = FAMILIES[a.family].expert_weights(a)
     return {n: shapes[n] for n in shapes if any(t.endswith(n) for t in s.lora_target_parameters)}
 
 
@@ -517,9 +622,7 @@ TECHNIQUE_MEMORY = {"ddp": ddp_memory, "zero2": zero2_memory, "fsdp2": fsdp2_mem
 
 
 def estimate(a: Architecture, s: Setup, technique: str, world: int) -> Estimate:
-    """Per-GPU peak for one technique on `world` GPUs in total."""
-    if technique not in TECHNIQUE_MEMORY:
-        raise ValueError(f"unknown technique {technique!r}")
+    """Per-GPU peak for one technique (one of TECHNIQUES) on `world` GPUs in total."""
     deepspeed = technique.startswith("zero")
     sizes = Sizes(
         world=max(world, 1),
@@ -605,11 +708,12 @@ def resolve_gpu(name: str | None, memory_gib: float | None) -> tuple[str, float]
     if memory_gib is not None:
         return (name or "custom", float(memory_gib))
     if name is None:
-        raise ValueError("give --gpu NAME or --gpu-memory GIB")
+        raise UserError("command line: no GPU given; pass --gpu NAME or --gpu-memory GIB.")
     key = name.upper().replace(" ", "")
     key = GPU_ALIASES.get(key, key)
     if key not in KNOWN_GPUS:
-        raise ValueError(f"unknown GPU {name!r}; known: {', '.join(KNOWN_GPUS)} (or pass --gpu-memory GIB)")
+        raise UserError(f"command line: `--gpu {name}` is not a GPU the planner knows ({', '.join(KNOWN_GPUS)}); "
+                        f"give one of them, or the memory of one GPU with --gpu-memory GIB.")
     return key, KNOWN_GPUS[key][1]
 
 
@@ -694,8 +798,8 @@ def faster_than_offload(a: Architecture, s: Setup, world: int, technique: str, b
 
 def plan(recipe_values: dict, gpus: int, gpu: str | None = None, gpu_memory_gib: float | None = None,
          nodes: int = 1, recipe_path: str = "RECIPE", extra_args: list[str] | None = None) -> Plan:
-    s = setup_from_recipe(recipe_values)
-    a = architecture_of(s.model)
+    s = setup_from_recipe(recipe_values, recipe_path)
+    a = architecture_of(s.model, recipe_path)
     gpu_name, memory = resolve_gpu(gpu, gpu_memory_gib)
     world = gpus * nodes
     budget = memory * GIB * SAFETY_MARGIN
@@ -740,7 +844,3 @@ def format_plan(p: Plan) -> str:
         lines.append("Nothing fits. What would:")
         lines += [f"  - {tip}" for tip in p.suggestions]
     return "\n".join(lines)
-
-
-def setup_as_dict(s: Setup) -> dict:
-    return asdict(s)

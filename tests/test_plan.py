@@ -5,6 +5,7 @@ import subprocess
 import sys
 import time
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 
@@ -48,7 +49,7 @@ def test_parameter_count_matches_the_real_architecture(name):
     torch = pytest.importorskip("torch")
     from transformers import AutoModelForCausalLM
 
-    from finetune.architectures import load_architecture
+    from finetune.families import load_architecture
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(load_architecture(name))
@@ -115,7 +116,7 @@ def test_dense_layer_activation_formula_matches_the_saved_tensors_of_the_real_la
     torch = pytest.importorskip("torch")
     from transformers import AutoModelForCausalLM
 
-    from finetune.architectures import load_architecture
+    from finetune.families import load_architecture
 
     cfg = load_architecture("llama-3.2-1b")
     sizes = {}
@@ -368,3 +369,105 @@ def test_fp8_and_gradient_accumulation_plans_are_within_5_percent_of_the_h200():
     ):
         planned = planned_on_one_gpu_gib(recipe, overrides)
         assert planned == pytest.approx(measured_gib, rel=0.05), (recipe, overrides, planned)
+
+
+# ---- the recipe read as the run reads it --------------------------------------------------------------------------
+def bare_recipe(tmp_path, text: str = "") -> str:
+    path = tmp_path / "bare.yaml"
+    path.write_text("model_name_or_path: meta-llama/Llama-3.2-1B-Instruct\n" + text)
+    return str(path)
+
+
+def test_a_recipe_without_gradient_checkpointing_is_planned_with_the_runs_default(tmp_path):
+    from finetune import config
+
+    path = bare_recipe(tmp_path)
+    training = config.parse_args(["--config", path]).training
+    run_value = getattr(training, "activation_checkpointing", training.gradient_checkpointing)
+    assert P.setup_from_recipe(read_recipe(path), path).gradient_checkpointing == run_value is True  # SFTConfig's
+
+
+def setup_the_run_trains(argv: list[str]) -> P.Setup:
+    """config.parse_args's values on a GPU machine, in the planner's terms."""
+    from finetune import config
+
+    run = config.parse_args([*argv, "--use_cpu", "true"])  # lets TrainingArguments take bf16 here; changes no value
+    training, model, own = run.training, run.model, run.finetune
+    modules = model.lora_target_modules
+    return P.Setup(
+        model=model.model_name_or_path,
+        method="qlora" if model.load_in_4bit and model.use_peft else "lora" if model.use_peft else "full",
+        lora_r=model.lora_r, lora_dropout=model.lora_dropout,
+        lora_target_modules=(modules,) if isinstance(modules, str) else tuple(modules or ()),
+        lora_target_parameters=tuple(model.lora_target_parameters or ()),
+        max_length=training.max_length, batch=training.per_device_train_batch_size,
+        gradient_accumulation_steps=training.gradient_accumulation_steps,
+        gradient_checkpointing=getattr(training, "activation_checkpointing", training.gradient_checkpointing),
+        activation_offloading=training.activation_offloading, optim=getattr(training.optim, "value", training.optim),
+        dtype="bfloat16" if (model.dtype or "auto") == "auto" else model.dtype,  # the planner's reading of "auto"
+        bf16=training.bf16, use_liger_kernel=training.use_liger_kernel,
+        attn_implementation=model.attn_implementation or "sdpa", torch_compile=training.torch_compile, fp8=own.fp8,
+        activation_memory_budget=own.activation_memory_budget, expert_lora_kernel=own.expert_lora_kernel,
+    )
+
+
+@pytest.mark.parametrize("recipe_text, flags", [
+    ("", []),
+    ("torch_dtype: bfloat16\nmax_seq_length: 4096\nuse_peft: yes\nlora_target_modules: all-linear\n", []),
+    ("activation_checkpointing: false\n", ["--gradient_checkpointing", "true"]),
+    ("activation_checkpointing: true\ndtype: null\n", []),
+    ("fp16: true\noptim: adamw_8bit\n", ["--per_device_train_batch_size", "2", "--lora_r", "8", "--use_peft", "1"]),
+    *((f"shipped: {path.relative_to(ROOT)}", []) for path in RECIPES),
+], ids=lambda value: str(value)[:40])
+def test_every_setting_the_planner_reads_is_the_value_the_run_trains_with_on_gpus(tmp_path, monkeypatch,
+                                                                                  recipe_text, flags):
+    from finetune import cpu
+
+    monkeypatch.setattr(cpu, "on_cpu", lambda: False)  # the plan is for GPUs: the CPU's replacements do not apply
+    shipped = recipe_text.startswith("shipped: ")
+    path = str(ROOT / recipe_text.split(": ", 1)[1]) if shipped else bare_recipe(tmp_path, recipe_text)
+    planned = P.setup_from_recipe(P.recipe_with_flags(path, flags), path)
+    assert planned == setup_the_run_trains(["--config", path, *flags])
+
+
+@pytest.mark.parametrize("recipe_text, flags, said", [
+    ("model_name_or_path: Qwen/Qwen3-8B\n", [], "the planner cannot read `model_name_or_path: Qwen/Qwen3-8B`"),
+    ("model_name_or_path: meta-llama/Llama-3.2-1B\nlora_r: sixteen\n", [], "`lora_r: sixteen` is not a whole number"),
+    ("model_name_or_path: meta-llama/Llama-3.2-1B\n", ["--use_peft", "ja"], "`use_peft: ja` is not true or false"),
+    ("model_name_or_path: meta-llama/Llama-3.2-1B\ngradient_checkpointing: true\nactivation_checkpointing: true\n",
+     [], "both `gradient_checkpointing` and `activation_checkpointing` are set"),
+    ("dtype: bfloat16\n", [], "`model_name_or_path` is not set"),
+])
+def test_finetune_plan_says_a_recipe_mistake_in_one_error_line(tmp_path, recipe_text, flags, said):
+    path = tmp_path / "recipe.yaml"
+    path.write_text(recipe_text)
+    result = subprocess.run([sys.executable, "scripts/plan.py", "--config", str(path), "--gpu", "H100", *flags],
+                            cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
+    assert (result.returncode, result.stdout) == (2, "") and result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith(f"error: {path}: {said}")
+
+
+def test_an_unknown_model_through_finetune_launch_is_one_error_line(tmp_path, monkeypatch, capsys):
+    import torch
+
+    from finetune import cli, launch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)  # 8 H200s here, and no accelerate config file
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: SimpleNamespace(total_memory=141 * 10**9))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: "NVIDIA H200")
+    monkeypatch.setattr(launch, "default_config_file", lambda: str(tmp_path / "no-default-config.yaml"))
+    path = tmp_path / "recipe.yaml"
+    path.write_text("model_name_or_path: Qwen/Qwen3-8B\n")
+    assert cli.main(["launch", "--config", str(path), "--max_steps", "5"]) == 2  # returned: no traceback
+    printed = capsys.readouterr()
+    assert printed.err.count("\n") == 1 and "Traceback" not in printed.out + printed.err
+    assert printed.err.startswith(f"error: {path}: the planner cannot read `model_name_or_path: Qwen/Qwen3-8B`")
+
+
+def test_planning_reads_the_runs_defaults_without_importing_torch_transformers_or_trl():
+    probe = ("import sys; from finetune import plan; "
+             "plan.plan(plan.recipe_with_flags('recipes/llama-3.2-1b/full.yaml', []), gpus=8, gpu='H100'); "
+             "print(sorted({'torch', 'transformers', 'trl'} & set(sys.modules)))")
+    result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                            check=False)
+    assert result.stdout.strip() == "[]", result.stdout + result.stderr
