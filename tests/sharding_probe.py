@@ -16,18 +16,14 @@ It also records the model folder, so that the test can count parameters from the
 """
 
 import json
-import sys
 from pathlib import Path
 
 import torch
 from torch.distributed.tensor import DTensor
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-
-from sft import prepare  # noqa: E402  (scripts/sft.py: the same parse, check and load as a real run)
-
-from finetune import model  # noqa: E402
-from finetune.errors import exit_on_user_error  # noqa: E402
+from finetune import model
+from finetune.errors import exit_on_user_error
+from finetune.sft import prepare  # the same parse, check and load as a real run
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
