@@ -66,7 +66,8 @@ class LaunchRequest:
         return f"`--{name} {shown}`" if name in self.flags else f"`{name}: {shown}`"
 
     def distributed_type(self) -> str:
-        for flag, kind in (("cpu", "NO"), ("use_deepspeed", "DEEPSPEED"), ("use_fsdp", "FSDP"), ("multi_gpu", "MULTI_GPU")):
+        flags = (("cpu", "NO"), ("use_deepspeed", "DEEPSPEED"), ("use_fsdp", "FSDP"), ("multi_gpu", "MULTI_GPU"))
+        for flag, kind in flags:
             if self.flags.get(flag):
                 return kind
         if self.file is None:  # accelerate's own choice without a file: several GPUs for several processes
@@ -104,7 +105,8 @@ def request_from_command(arguments: list[str], default_file: str | None) -> Laun
         return None
     given = getattr(args, "nondefault", set()) - {"config_file", "training_script", "training_script_args", "quiet"}
     flags = {name: getattr(args, name) for name in sorted(given)}
-    file = args.config_file or (default_file if default_file and Path(default_file).is_file() and not args.cpu else None)
+    default_found = default_file and Path(default_file).is_file() and not args.cpu
+    file = args.config_file or (default_file if default_found else None)
     fields = read_yaml_mapping(file, "accelerate config", "pass one of accelerate_configs/*.yaml") if file else {}
     return LaunchRequest(file, fields, flags)
 
@@ -238,7 +240,8 @@ def launched_processes() -> int:
 
 
 def _checkpointing(training) -> bool:
-    return bool(getattr(training, "activation_checkpointing", False) or getattr(training, "gradient_checkpointing", False))
+    return bool(getattr(training, "activation_checkpointing", False)
+                or getattr(training, "gradient_checkpointing", False))
 
 
 def asked_precision(run) -> str:

@@ -76,7 +76,8 @@ def varlen_attention_forward(module, query, key, value, attention_mask, dropout=
     """The AttentionInterface entry: packed rows through the varlen kernel (on CPU through the block-diagonal mask),
     other rows (right-padded, so causal attention never sees the padding before a real token) through causal sdpa."""
     if kwargs.get("s_aux") is not None or getattr(module, "sliding_window", None):
-        raise ValueError(f"{VARLEN_ATTENTION} is plain causal attention: GPT-OSS's sinks and sliding windows need flex_attention")
+        raise ValueError(f"{VARLEN_ATTENTION} is plain causal attention: GPT-OSS's sinks and sliding windows need "
+                         f"flex_attention")
     cu_seq_lens = kwargs.get("cu_seq_lens_q")
     if cu_seq_lens is None or query.shape[0] != 1:
         return sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling)

@@ -97,7 +97,8 @@ def checkpoint_problem(folder: Path) -> str | None:
     if problem:
         return problem
     names = set(files)
-    if not any(name.endswith(".safetensors") or name.startswith(("global_step", "pytorch_model_fsdp")) for name in names):
+    weights = ("global_step", "pytorch_model_fsdp")
+    if not any(name.endswith(".safetensors") or name.startswith(weights) for name in names):
         return "it holds no weights (no .safetensors file)"
     if "trainer_state.json" not in names:
         return "trainer_state.json is missing"
@@ -288,7 +289,7 @@ def save_checkpoint_completely(trainer, save, model, trial=None) -> None:
     """Run the Trainer's own checkpoint save (`save`), then flush it and write the completeness marker; rotation
     after the marker; a failed write removes the half-written folder and ends in one sentence."""
     step = trainer.state.global_step
-    run_dir = Path(trainer._get_output_dir(trial=trial))
+    run_dir = patches.trainer_output_dir(trainer, trial)
     folder = run_dir / f"checkpoint-{step}"
     main = trainer.accelerator.is_main_process
     if main and folder.is_dir() and not (folder / MARKER).is_file():
@@ -367,7 +368,8 @@ def save_final_completely(trainer, output_dir: str | Path) -> None:
             sys.exit(2)  # another rank failed to write and reports it
         newest = newest_complete(output_dir)
         keep = (f"{newest.name} is complete and a relaunch of the same command finishes the save from it without "
-                f"training further" if newest else "no checkpoint was saved (save_strategy), so a relaunch trains again")
+                f"training further" if newest
+                else "no checkpoint was saved (save_strategy), so a relaunch trains again")
         raise UserError(
             f"{output_dir}: could not write the final model ({save_failure_reason(failure, output_dir)}); the model "
             f"files already there are as they were and {keep}; free space or fix the folder's permissions and relaunch."
