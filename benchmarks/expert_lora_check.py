@@ -45,7 +45,7 @@ def trainer_for(overrides: list[str], tiny: bool, layers: int | None, make_rows,
     from transformers import AutoModelForCausalLM
 
     from finetune import tiny as tiny_models
-    from finetune.architectures import load_architecture
+    from finetune.families import load_architecture
     from finetune.sft import configure
     from finetune.model import model_init_kwargs
     from finetune.train import build_trainer

@@ -4,7 +4,7 @@ Writes the real architecture (finetune/model_configs/gpt-oss-20b.json) with rand
 is stored (experts as MXFP4 blocks and scales, the rest bf16, 4 GiB shards), then loads it in a fresh process the way
 scripts/sft.py does (the recipe's from_pretrained arguments: Mxfp4Config(dequantize=True), bf16, on the CPU) and
 moves it to the GPU, and once more with device_map="cuda" (dequantized on the GPU). Each load checks the first
-layer's experts against finetune.mxfp4's own dequantization of the stored bytes.
+layer's experts against benchmarks/mxfp4_checkpoints.py's own dequantization of the stored bytes.
 
     python benchmarks/mxfp4_load_check.py                    # on the H200: 24 layers, ~13 GB written to --folder
     python benchmarks/mxfp4_load_check.py --layers 1 --device cpu   # the same path on a CPU (~4 GB of memory)
@@ -29,8 +29,8 @@ def write_random_checkpoint(folder: Path, layers: int) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from finetune import mxfp4
-    from finetune.architectures import load_architecture
+    from benchmarks import mxfp4_checkpoints
+    from finetune.families import load_architecture
 
     config = load_architecture("gpt-oss-20b")
     config.num_hidden_layers = layers
@@ -41,9 +41,10 @@ def write_random_checkpoint(folder: Path, layers: int) -> None:
 
     def tensors():
         for name, shape in shapes.items():
-            if name.endswith(mxfp4.EXPERT_WEIGHTS):  # random FP4 codes, scales around 2**-7: values within +-0.05
+            # experts: random FP4 codes, scales around 2**-7: values within +-0.05
+            if name.endswith(mxfp4_checkpoints.EXPERT_WEIGHTS):
                 experts, columns, rows = shape
-                groups = columns // mxfp4.BLOCK
+                groups = columns // mxfp4_checkpoints.BLOCK
                 yield f"{name}_blocks", torch.randint(0, 256, (experts, rows, groups, 16), dtype=torch.uint8,
                                                       generator=generator)
                 yield f"{name}_scales", torch.randint(118, 122, (experts, rows, groups), dtype=torch.uint8,
@@ -53,7 +54,7 @@ def write_random_checkpoint(folder: Path, layers: int) -> None:
             else:
                 yield name, torch.randn(shape, generator=generator) * 0.02
 
-    mxfp4.write_checkpoint(config, tensors(), folder)
+    mxfp4_checkpoints.write_checkpoint(config, tensors(), folder)
 
 
 def measure(folder: Path, device: str, device_map: bool) -> dict:
@@ -61,7 +62,8 @@ def measure(folder: Path, device: str, device_map: bool) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from finetune import config, model, mxfp4
+    from benchmarks import mxfp4_checkpoints
+    from finetune import config, model
 
     run = config.parse_args(["--config", str(RECIPE), "--model_name_or_path", str(folder), "--output_dir", "/tmp/unused"])
     kwargs = model.model_init_kwargs(run, str(folder))
@@ -77,7 +79,7 @@ def measure(folder: Path, device: str, device_map: bool) -> dict:
     if device == "cuda":
         torch.cuda.synchronize()
     total_seconds = time.monotonic() - start
-    reference = mxfp4.stored_expert_weights(folder, layer=0)
+    reference = mxfp4_checkpoints.stored_expert_weights(folder, layer=0)
     experts = loaded.model.layers[0].mlp.experts
     exact = all(torch.equal(getattr(experts, name.rsplit(".", 1)[-1]).cpu().float(), weight)
                 for name, weight in reference.items())

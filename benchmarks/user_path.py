@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # benchmarks/ is beside finetune/, not installed with it
 WORDS = ("the a of to and in is it you that he was for on are with as his they be at one have this from or had by "
          "word but what some we can out other were all there when up use your how said an each she which do their "
          "time if will way about many then them write would like so these her long make thing see him two has look "
@@ -57,7 +58,7 @@ def write_llama(name: str, folder: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     from finetune import tiny
-    from finetune.architectures import load_architecture
+    from finetune.families import load_architecture
 
     tokenizer = tiny.build_tiny_tokenizer("llama")
     config = load_architecture(ARCHITECTURES[name])
@@ -74,8 +75,9 @@ def write_gpt_oss(folder: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from finetune import mxfp4, tiny
-    from finetune.architectures import load_architecture
+    from benchmarks import mxfp4_checkpoints
+    from finetune import tiny
+    from finetune.families import load_architecture
 
     tokenizer = tiny.build_tiny_tokenizer("gpt-oss")
     config = load_architecture("gpt-oss-20b")
@@ -87,9 +89,9 @@ def write_gpt_oss(folder: Path) -> None:
 
     def tensors():
         for name, shape in shapes.items():
-            if name.endswith(mxfp4.EXPERT_WEIGHTS):
+            if name.endswith(mxfp4_checkpoints.EXPERT_WEIGHTS):
                 experts, columns, rows = shape
-                groups = columns // mxfp4.BLOCK
+                groups = columns // mxfp4_checkpoints.BLOCK
                 yield f"{name}_blocks", torch.randint(0, 256, (experts, rows, groups, 16), dtype=torch.uint8,
                                                       generator=generator, device="cuda").cpu()
                 yield f"{name}_scales", torch.randint(118, 122, (experts, rows, groups), dtype=torch.uint8,
@@ -99,7 +101,7 @@ def write_gpt_oss(folder: Path) -> None:
             else:
                 yield name, (torch.randn(shape, generator=generator, device="cuda") * 0.02).to(torch.bfloat16).cpu()
 
-    mxfp4.write_checkpoint(config, tensors(), folder)
+    mxfp4_checkpoints.write_checkpoint(config, tensors(), folder)
     tokenizer.save_pretrained(folder)
 
 

@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from finetune import cpu
+from finetune import cpu, patches
 from finetune.config_files import (
     FIELDS_NOT_BESIDE_DEEPSPEED_FILE,
     accelerate_launch_arguments,
@@ -172,7 +172,8 @@ def _check_parallelism(request: LaunchRequest, kind: str, processes: int) -> Non
     if not isinstance(section, dict):
         raise UserError(f"{request.source}: `parallelism_config` must be a mapping of parallelism_config_* fields; "
                         f"rewrite it as one or remove it.")
-    known = {action.dest for action in _launcher_parser()._actions if action.dest.startswith(PARALLELISM_PREFIX)}
+    known = {action.dest for action in patches.parser_actions(_launcher_parser())
+             if action.dest.startswith(PARALLELISM_PREFIX)}
     for key in section:
         if key not in known:
             hint = f"`{PARALLELISM_PREFIX}{key}`" if PARALLELISM_PREFIX + key in known else "one of " + ", ".join(

@@ -84,17 +84,17 @@ def process_state_kept():
     handler (a run's saves its checkpoint on SIGTERM)."""
     import signal
 
-    from torch._functorch import config as functorch_config
+    from finetune import patches
 
     environment = dict(os.environ)
-    budget = functorch_config.activation_memory_budget
+    budget = patches.activation_memory_budget()
     handler = signal.getsignal(signal.SIGTERM)
     try:
         yield
     finally:
         os.environ.clear()
         os.environ.update(environment)
-        functorch_config.activation_memory_budget = budget
+        patches.set_activation_memory_budget(budget)
         signal.signal(signal.SIGTERM, handler)
 
 

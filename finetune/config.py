@@ -18,11 +18,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Literal
 
-from torch._functorch import config as functorch_config
 from trl import ModelConfig, ScriptArguments, SFTConfig, TrlParser
 
-from finetune import accelerate_checks, checkpoints, compilation, cpu, fp8, resume, tracking
-from finetune.architectures import model_family
+from finetune import accelerate_checks, checkpoints, compilation, cpu, families, fp8, patches, resume, tracking
 from finetune.config_files import (
     FSDP_V1_REFUSAL,
     RENAMED_KEYS,
@@ -245,7 +243,7 @@ def _read_foreign_keys(recipe: dict, recipe_path: str) -> dict:
 def _refuse_unknown_keys(parser: TrlParser, recipe: dict, recipe_path: str) -> None:
     """Every key the parser does not know, in one sentence, each with the key it likely means: a recipe brought from
     another project costs one launch to fix, not one per key."""
-    known = {action.dest for action in parser._actions} | {"env"}
+    known = {action.dest for action in patches.parser_actions(parser)} | {"env"}
     unknown = [f"`{key}`{_hint(key, known)}" for key in recipe if key not in known]
     kwargs = recipe.get("dataset_kwargs")
     if isinstance(kwargs, dict):  # TRL leaves other keys unread without a word
@@ -272,7 +270,7 @@ def _coerce_recipe_values(parser: TrlParser, recipe: dict, recipe_path: str) -> 
     TrlParser puts YAML values in as defaults untouched, so `learning_rate: 2e-5` (a string in YAML 1.1) or
     `lora_r: sixteen` would otherwise reach the trainer as strings and fail deep inside it, or not fail at all.
     """
-    actions = {action.dest: action for action in parser._actions}
+    actions = {action.dest: action for action in patches.parser_actions(parser)}
     coerced = {}
     for key, value in recipe.items():
         if key == "env":
@@ -388,7 +386,7 @@ def apply_to_process(run: RunConfig) -> None:
     checkpoints.die_with_launcher()
     compilation.prepare_process(run.training)
     if run.training.torch_compile and not run.training.gradient_checkpointing:
-        functorch_config.activation_memory_budget = run.finetune.activation_memory_budget
+        patches.set_activation_memory_budget(run.finetune.activation_memory_budget)
     tracking.prepare(run.training)
     if cpu.on_cpu():
         cpu.prepare_cpu_process_group()
@@ -482,7 +480,8 @@ def _keep_token_out_of_saved_arguments(training: SFTConfig) -> None:
 
 
 def _known_dests(parser: TrlParser) -> set[str]:
-    return {option[2:] for action in parser._actions for option in action.option_strings if option.startswith("--")}
+    actions = patches.parser_actions(parser)
+    return {option[2:] for action in actions for option in action.option_strings if option.startswith("--")}
 
 
 def _one_sentence(error: Exception) -> str:
@@ -522,7 +521,7 @@ def check(run: RunConfig) -> None:
             f"sharded by {strategy.upper()} here; launch with accelerate_configs/ddp.yaml or zero2.yaml instead."
         )
     check_mxfp4(run, source)
-    if model.lora_target_parameters and model_family(model.model_name_or_path) != "gpt-oss":
+    if model.lora_target_parameters and not families.family_of(model.model_name_or_path, model.model_revision).experts:
         raise UserError(
             f"{source}: `lora_target_parameters` adapts mixture-of-experts weights, which "
             f"{model.model_name_or_path} does not have; remove it or use lora_target_modules."

@@ -17,17 +17,13 @@ from datasets import Dataset, DatasetDict, load_dataset
 from trl import ScriptArguments, SFTConfig
 from trl.data_utils import is_conversational
 
-from finetune import data_formats
+from finetune import data_formats, families
 from finetune.errors import UserError
 
 logger = logging.getLogger(__name__)
 
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 ROLES = {"system", "developer", "user", "assistant", "tool"}
-# GPT-OSS's harmony format: the chat template writes these around each message. Inside a row's text they would be
-# read as real turn boundaries (the tiny and hub tokenizers map them to their special tokens).
-HARMONY_TAGS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>", "<|call|>", "<|constrain|>",
-                "<|startoftext|>", "<|endoftext|>")
 EVAL_FRACTION_WHEN_NO_TEST_SPLIT = 0.05
 NO_ROWS = "{name}: the file holds no rows; give a file with at least one row."
 
@@ -275,7 +271,7 @@ def check_answers_survive_truncation(dataset: Dataset, source: str, tokenizer, m
     """TRL keeps a row's first max_length tokens, so a row whose prompt alone fills them loses its whole answer
     (TRL drops it when the loss is masked, and it teaches no answer otherwise): a warning counting such rows, and a
     refusal when no row keeps an answer. Each prompt is rendered and tokenized once, up to its first answer."""
-    if dataset_format(dataset.column_names) not in ("messages", "prompt-completion"):
+    if data_formats.trl_format(dataset.column_names) not in ("messages", "prompt-completion"):
         return
     cut, shortest = [], None
     for index, row in enumerate(dataset):
@@ -324,7 +320,7 @@ def _tools(row: dict):
 
 def _token_count(row: dict, tokenizer) -> int:
     """Tokens of a row as TRL tokenizes it: the chat template for conversations, plain text plus EOS otherwise."""
-    data_format = dataset_format(list(row))
+    data_format = data_formats.trl_format(list(row))
     template_kwargs = {**_template_kwargs(row), "tools": _tools(row)}
     if data_format == "messages":
         return len(tokenizer.apply_chat_template(row["messages"], tokenize=True, return_dict=True,
@@ -338,19 +334,9 @@ def _token_count(row: dict, tokenizer) -> int:
     return len(tokenizer(row["prompt"] + row["completion"])["input_ids"]) + 1
 
 
-def dataset_format(columns: list[str]) -> str | None:
-    if "messages" in columns:
-        return "messages"
-    if "prompt" in columns and "completion" in columns:
-        return "prompt-completion"
-    if "text" in columns:
-        return "text"
-    return None
-
-
 def check_rows(dataset: Dataset, source: str) -> None:
     """Refuse the first row that TRL cannot train on correctly, naming its number and what to fix."""
-    data_format = dataset_format(dataset.column_names)
+    data_format = data_formats.trl_format(dataset.column_names)
     if data_format is None:
         raise UserError(
             f"{source}: columns {dataset.column_names} match none of TRL's formats; "
@@ -358,7 +344,7 @@ def check_rows(dataset: Dataset, source: str) -> None:
         )
     if len(dataset) == 0:
         raise UserError(f"{source}: the split has no rows; point --dataset_name at data with examples.")
-    columns = {"messages": ["messages"], "prompt-completion": ["prompt", "completion"], "text": ["text"]}[data_format]
+    columns = data_formats.TRL_COLUMNS[data_format]
     for index, row in enumerate(dataset):
         missing = [column for column in columns if row.get(column) is None]
         if missing:  # rows of several formats in one file: `datasets` fills the other format's columns with None
@@ -412,23 +398,27 @@ def _turns_problem(turns, column: str) -> str | None:
             return f"{where} {_not_text(turn['content'], 'a `content`')}"
         if turn["role"] == "assistant" and not turn["content"].strip():
             return f"{where} has empty content; fill it or remove the row"
-        problem = _harmony_problem(turn, where)
+        problem = _reasoning_problem(turn, where)
         if problem:
             return problem
     return None
 
 
-def _harmony_problem(turn: dict, where: str) -> str | None:
+def _reasoning_problem(turn: dict, where: str) -> str | None:
+    """A reasoning trace that is not text, or a tag of a family's reasoning format (GPT-OSS's harmony) inside a turn:
+    the chat template writes those around each message, and the tokenizers read them as real turn boundaries."""
     thinking = turn.get("thinking")
     if thinking is not None and not isinstance(thinking, str):
         return f"{where} has a `thinking` that is not text; make it a string (the reasoning trace) or remove it"
     for field_name in ("content", "thinking"):
-        tag = next((tag for tag in HARMONY_TAGS if tag in (turn.get(field_name) or "")), None)
-        if tag:
-            return (
-                f"{where} holds the harmony tag {tag} in its `{field_name}`, which the chat template writes itself; "
-                f"give the plain text (the reasoning in `thinking`, the answer in `content`) without tags"
-            )
+        for reasoning in families.REASONING_FORMATS:
+            tag = next((tag for tag in reasoning.tags if tag in (turn.get(field_name) or "")), None)
+            if tag:
+                return (
+                    f"{where} holds the {reasoning.name} tag {tag} in its `{field_name}`, which the chat template "
+                    f"writes itself; give the plain text (the reasoning in `thinking`, the answer in `content`) "
+                    f"without tags"
+                )
     return None
 
 
@@ -449,7 +439,7 @@ def _conversation_problem(turns, column: str) -> str | None:
 def with_chat_template_kwargs(dataset: Dataset, values: dict | None) -> Dataset:
     """Every conversational row carries the recipe's chat template values (its own values win), in the
     `chat_template_kwargs` column TRL passes to the chat template row by row."""
-    if not values or dataset_format(dataset.column_names) not in ("messages", "prompt-completion"):
+    if not values or data_formats.trl_format(dataset.column_names) not in ("messages", "prompt-completion"):
         return dataset
     return dataset.map(lambda row: {"chat_template_kwargs": {**values, **_template_kwargs(row)}})
 
@@ -465,7 +455,7 @@ def check_reasoning_traces(dataset: Dataset, source: str, tokenizer, max_length:
     A template that renders no trace at all (Llama 3.2) would drop every one: refused. GPT-OSS's renders the trace of
     the conversation's last assistant turn only and drops earlier ones, and TRL cuts rows longer than max_length at
     the end, where that trace and its answer are: each is a warning naming the rows."""
-    if dataset_format(dataset.column_names) != "messages":
+    if data_formats.trl_format(dataset.column_names) != "messages":
         return
     traced = [index for index, turns in enumerate(dataset["messages"]) if any(turn.get("thinking") for turn in turns)]
     if not traced:

@@ -53,6 +53,8 @@ HANDBOOK_SOURCE_KEYS = {"id", "config", "split", "columns", "weight"}
 
 
 def trl_format(columns: list[str]) -> str | None:
+    """The one place the data's format is told from its columns: the first of TRL's formats whose columns are all
+    there (`messages` before `prompt` + `completion` before `text`), or None."""
     return next((name for name, needed in TRL_COLUMNS.items() if set(needed) <= set(columns)), None)
 
 

@@ -21,7 +21,7 @@ from finetune.errors import say
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
 
 
-# ---- Grouped GEMMs: torch._grouped_mm where it runs, a loop over the experts elsewhere -------------------------------
+# ---- Grouped GEMMs: torch._grouped_mm (private: see finetune/patches.py) where it runs, a loop elsewhere ------------
 
 
 def _loop_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -87,7 +87,8 @@ torch.library.register_fake("finetune::grouped_mm", _grouped_mm_checked_fake)
 torch.library.custom_op("finetune::grouped_mm_per_expert", _grouped_mm_per_expert_checked, mutates_args=(),
                         schema="(Tensor left, Tensor right, Tensor offsets) -> Tensor")
 torch.library.register_fake("finetune::grouped_mm_per_expert", _grouped_mm_per_expert_checked_fake)
-torch.library.custom_op("finetune::loop_mm", _loop_mm, mutates_args=(), schema="(Tensor x, Tensor weight, Tensor offsets) -> Tensor")
+torch.library.custom_op("finetune::loop_mm", _loop_mm, mutates_args=(),
+                        schema="(Tensor x, Tensor weight, Tensor offsets) -> Tensor")
 torch.library.register_fake("finetune::loop_mm", _loop_mm_fake)
 torch.library.custom_op(
     "finetune::loop_mm_per_expert", _loop_mm_per_expert, mutates_args=(),
@@ -171,7 +172,8 @@ class GroupedLoraMatmul(torch.autograd.Function):
 
 def lora_factors(wrapper: ParamWrapper, adapter: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, float]:
     """(L [experts, in, r], R [experts, r, out], s) with s·L_e·R_e = peft's delta weight of expert e
-    (`ParamWrapper.get_delta_weight`): lora_A's rows are expert-major (e·r + k), lora_B's columns rank-major (k·E + e)."""
+    (`ParamWrapper.get_delta_weight`): lora_A's rows are expert-major (e·r + k), lora_B's columns rank-major
+    (k·E + e)."""
     experts = wrapper.num_experts
     weight_a = wrapper.lora_A[adapter].weight
     weight_b = wrapper.lora_B[adapter].weight
@@ -204,7 +206,7 @@ def experts_forward(experts, hidden_states, router_indices, routing_weights, ada
         output = GroupedLoraMatmul.apply(inputs.to(weight.dtype), weight, lora_in, lora_out, offsets, scaling)
         return output + getattr(experts, f"{name}_bias")[expert_ids] if experts.has_bias else output
 
-    gated = experts._apply_gate(project(x, "gate_up_proj"))
+    gated = experts._apply_gate(project(x, "gate_up_proj"))  # transformers' private gate: see finetune/patches.py
     weighted = project(gated, "down_proj") * sample_weights.unsqueeze(-1)
     unsorted = torch.empty_like(weighted)
     unsorted[order] = weighted
@@ -253,7 +255,8 @@ class GroupedExpertsLora(ParamWrapper):
         router_indices, routing_weights = args
         dtype = getattr(experts, EXPERT_WEIGHTS[0]).dtype
         adapters = {
-            name: lora_factors(wrapper, active[0], dtype) for name, wrapper in chain.items() if active[0] in wrapper.lora_A
+            name: lora_factors(wrapper, active[0], dtype)
+            for name, wrapper in chain.items() if active[0] in wrapper.lora_A
         }
         return experts_forward(experts, hidden_states, router_indices, routing_weights, adapters)
 

@@ -16,8 +16,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Gener
                           PreTrainedModel)
 from trl import get_peft_config, get_quantization_config
 
-from finetune import attention, checkpoints, cpu, mxfp4, tiny
-from finetune.architectures import model_family
+from finetune import attention, checkpoints, cpu, families, mxfp4, tiny
 from finetune.config import RUN_RECORD, RunConfig
 from finetune.config_files import requested_strategy
 from finetune.errors import UserError
@@ -27,16 +26,17 @@ logger = logging.getLogger(__name__)
 # peft's PeftModel (peft_model.py) and TRL read the attribute transformers 5.2x renamed; the warning is theirs to fix
 warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
 
-LLAMA_3_2_TEMPLATE = tiny.TRL_CHAT_TEMPLATES_DIR / "llama3_2.jinja"
-LLAMA_3_2_TRAINING_TEMPLATE = Path(__file__).parent / "chat_templates" / "llama3_2_training.jinja"
-
 
 def resolve_model_path(run: RunConfig) -> str:
-    """The folder or hub id to load, checked (`check_model`): the recipe's model, or its tiny stand-in under --tiny."""
-    name = run.model.model_name_or_path
+    """The folder or hub id to load, checked (`check_model`): the recipe's model, or its tiny stand-in under --tiny.
+    A model of no family (finetune/families.py) is refused here, before anything loads, where the run needs its
+    family: for the tiny stand-in, and for `experts_implementation` (model_init_kwargs)."""
+    name, revision = run.model.model_name_or_path, run.model.model_revision
     if run.finetune.tiny:
-        return str(tiny.tiny_model_folder(model_family(name), run.finetune.tiny_width))
-    check_model(name, "--model_name_or_path", revision=run.model.model_revision)
+        return str(tiny.tiny_model_folder(families.family_of(name, revision).name, run.finetune.tiny_width))
+    check_model(name, "--model_name_or_path", revision=revision)
+    if run.finetune.experts_implementation:
+        families.family_of(name, revision)  # refused now rather than once the tokenizer and the data have loaded
     return name
 
 
@@ -221,16 +221,8 @@ def load_tokenizer(model_path: str, assistant_only_loss: bool, flag: str = "--mo
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     if assistant_only_loss:
-        tokenizer.chat_template = marked_llama_template(tokenizer.chat_template) or tokenizer.chat_template
+        tokenizer.chat_template = families.training_chat_template(tokenizer.chat_template) or tokenizer.chat_template
     return tokenizer
-
-
-def marked_llama_template(chat_template) -> str | None:
-    """For Llama 3.2's template, ours with {% generation %} markers: TRL has none. It renders identically and marks
-    the assistant's answer and its <|eot_id|>, so the model is trained to stop. None for any other template."""
-    if chat_template != LLAMA_3_2_TEMPLATE.read_text(encoding="utf-8"):
-        return None
-    return LLAMA_3_2_TRAINING_TEMPLATE.read_text(encoding="utf-8")
 
 
 def model_init_kwargs(run: RunConfig, model_path: str) -> dict:
@@ -241,7 +233,7 @@ def model_init_kwargs(run: RunConfig, model_path: str) -> dict:
         "trust_remote_code": run.training.trust_remote_code,
         "use_safetensors": True,
     }
-    if run.finetune.experts_implementation and model_family(model_path) == "gpt-oss":
+    if run.finetune.experts_implementation and families.family_of(model_path, run.model.model_revision).experts:
         kwargs["experts_implementation"] = run.finetune.experts_implementation
     quantization = get_quantization_config(run.model)
     if quantization is not None:
@@ -309,20 +301,3 @@ def fix_generation_config(model: PreTrainedModel, tokenizer) -> None:
     generation.pad_token_id = tokenizer.pad_token_id
     generation.bos_token_id = tokenizer.bos_token_id
     model.generation_config = generation
-
-
-def answer(
-    model: PreTrainedModel, tokenizer, prompt: str, max_new_tokens: int = 24, chat_template_kwargs: dict | None = None
-) -> str:
-    """One greedy answer to a user message, through the chat template the model is trained with and the values it
-    was trained with (`chat_template_kwargs`, e.g. GPT-OSS's reasoning_effort)."""
-    inputs = tokenizer.apply_chat_template(
-        [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True,
-        **(chat_template_kwargs or {}),
-    ).to(model.device)
-    was_training = model.training
-    model.eval()
-    with torch.no_grad():
-        output = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, use_cache=True)
-    model.train(was_training)
-    return tokenizer.decode(output[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True).strip()

@@ -1,7 +1,9 @@
-"""Every change this toolkit makes to another library's private behaviour, in one place.
+"""Every change this toolkit makes to another library's private behaviour, and every private API it reads, in one
+place.
 
-Each is a small function called from one visible spot; none runs at import. When a library fixes the problem or
-renames what is patched, this list says what to revisit and which test fails first.
+Most are small functions here, each called from one visible spot; an entry that names another module says where the
+private API is used instead. None runs at import. When a library fixes the problem or renames what is used, this list
+says what to revisit and which test fails first.
 
 - `FinetuneTrainer._save_checkpoint` (finetune/train.py, the one override of a private Trainer method)
   does: runs the Trainer's save, then flushes it and writes the completeness marker; save errors become one sentence.
@@ -41,19 +43,84 @@ renames what is patched, this list says what to revisit and which test fails fir
   private `_did_swap_in_out_features` as `ParamWrapper.get_delta_weight` does.
   why: peft's forward parametrizes every expert weight as W + B·A and lets autograd compute its full gradient.
   targets: peft 0.21.0-0.21.2 (`ParamWrapper`), transformers 5.17-5.24 (`GptOssExperts`, `is_transposed`).
-  guarded by: tests/test_expert_lora.py (against peft's path), test_distributed.py::test_lora_saves_the_single_process_adapter.
+  guarded by: tests/test_expert_lora.py (against peft's path),
+  test_distributed.py::test_lora_saves_the_single_process_adapter.
 - `zero3_init_off`
   does: unsets transformers' ZeRO-3 flag (`_hf_deepspeed_config_weak_ref`) while the tiny model is built and written.
   why: under a ZeRO-3 launch `from_config` builds empty partitions, which would be saved as the tiny model.
   targets: transformers 5.17-5.24.
   guarded by: test_distributed.py::test_full_finetune_gives_the_single_process_answer[zero3].
+- `trainer_output_dir`
+  does: reads the folder the Trainer saves checkpoints into through its private `Trainer._get_output_dir(trial)`.
+  why: the completeness marker and the rotation go to the folder the Trainer's save wrote (for a hyperparameter-search
+  trial a subfolder of `output_dir`), which no public attribute names.
+  targets: transformers 5.17 and 5.25 (`_get_output_dir(self, trial)`).
+  guarded by: tests/test_preemption_single.py (every resume reads the marker written there).
+- `parser_actions`
+  does: reads argparse's private `parser._actions`: the options of TRL's parser with their types, nargs and choices.
+  why: recipe keys are checked and typed as the command line's flags are (an unknown key named with a hint,
+  `lora_r: sixteen` refused), and argparse lists its options nowhere public. finetune/accelerate_checks.py reads
+  accelerate's launcher parser the same way (`_launcher_parser()._actions`).
+  targets: Python 3.11 (here) and 3.12 (the GPU image); `_actions` is as old as argparse.
+  guarded by: test_bad_inputs.py::test_bad_input_is_one_sentence_naming_file_field_and_fix (the unknown-key and
+  not-a-valid-type cases) and test_config.py::test_a_refusal_in_a_real_process_is_one_line_and_exit_code_2 (an unknown
+  flag).
+- `activation_memory_budget`, `set_activation_memory_budget`
+  does: reads and sets torch's private `torch._functorch.config.activation_memory_budget` (the recipe's value);
+  `finetune.train` (api.process_state_kept) reads it and puts it back when the run returns.
+  why: the share of a compiled layer's activations the partitioner keeps for the backward (the rest is recomputed):
+  0.8 saved the 3B LoRA recipe 14 GiB on an H200, and torch has no public setting for it.
+  targets: torch 2.11 and 2.13 (`activation_memory_budget = 1.0` in torch/_functorch/config.py).
+  guarded by:
+  test_config.py::test_the_activation_budget_reaches_inductor_only_for_layers_compiled_without_checkpointing.
+- `GroupedExpertsLora` (finetune/expert_lora.py)
+  does: computes the gate between the two expert projections with transformers' private `GptOssExperts._apply_gate`
+  (`install` wraps only experts modules that have it) and leaves modules whose private `_is_expert_parallel` is set
+  to peft's path (absent in 5.17, where getattr's False is right).
+  why: the gate (a clamped SwiGLU) stays the experts module's own, so the grouped path cannot drift from
+  transformers' forward.
+  targets: transformers 5.17 and 5.25.
+  guarded by: test_expert_lora.py::test_the_tiny_gpt_oss_loss_and_every_gradient_equal_peft.
+- `torch._grouped_mm` (finetune/expert_lora.py, inside the `finetune::grouped_mm*` custom operators)
+  does: runs expert LoRA's grouped GEMMs through torch's private grouped matmul where `grouped_mm_runs` says it takes
+  the operands, and a loop over the experts elsewhere (also when torch no longer has it).
+  why: one GEMM per expert over rows sorted by expert, in one kernel; the one transformers'
+  `experts_implementation="grouped_mm"` calls, and no public op does it.
+  targets: torch 2.11 (H200, bf16) and 2.13 (CPU).
+  guarded by: test_expert_lora.py::test_the_grouped_experts_trace_whole_under_torch_compile[bfloat16 grouped_mm] and
+  ::test_grouped_expert_lora_gives_peft_outputs_and_gradients.
+- `model._require_grads_hook` (finetune/compilation.py, `one_graph_for_every_layer`)
+  does: reads transformers' private handle of the hook `enable_input_require_grads` registers, to register it once.
+  why: transformers has no public way to ask whether input gradients are already enabled.
+  targets: transformers 5.17 and 5.25.
+  guarded by: nothing fails on a rename (a second, identical hook would be registered);
+  test_compile_once.py::test_compiled_recipes_compile_once_for_rows_of_every_length checks what the hook is for.
+- `model.config._attn_implementation` (finetune/evaluation.py, `_batch_size`)
+  does: reads which attention the loaded model runs: a model trained with `torch_varlen` generates one row at a time.
+  why: transformers keeps the choice in this private property only.
+  targets: transformers 5.17 and 5.25 (a property of `PreTrainedConfig`).
+  guarded by: no test yet; on a rename getattr's None would batch 16 left-padded rows through `torch_varlen`.
+- `torch._dynamo.utils.counters` (finetune/speed.py, `compiled_graphs`)
+  does: reads dynamo's private count of the graphs it built (`counters["stats"]["unique_graphs"]`).
+  why: recompilations are what finetune_speed.json shows first; torch has no public count.
+  targets: torch 2.11 and 2.13.
+  guarded by: test_compile_once.py::test_compiled_recipes_compile_once_for_rows_of_every_length.
+- `resume.apply_learning_rate` (finetune/resume.py, `--resume_with_new_schedule`)
+  does: rewrites the Trainer's LambdaLR `base_lrs` and each optimizer group's `initial_lr` and `lr`, reading
+  `lr_lambdas` and `last_epoch`: no underscore, but the scheduler's state, not an interface for changing it.
+  why: the resumed checkpoint restores the old schedule; scaling its base rates keeps its shape at the new rate.
+  targets: torch 2.11 and 2.13 (`LambdaLR.get_lr` = base_lr * lr_lambda(last_epoch)).
+  guarded by:
+  test_preemption_single.py::test_a_resume_applies_a_new_learning_rate_when_asked_and_the_new_logging_cadence.
 """
 
+import argparse
 import atexit
 import contextlib
 import os
 import sys
 from functools import partial
+from pathlib import Path
 
 
 @contextlib.contextmanager
@@ -99,7 +166,8 @@ def compile_inside_checkpoints(model, compiled_call, offloading: bool = False) -
     call = partial(_call_keeping_saved_tensors, compiled_call) if offloading else compiled_call
     for module in model.modules():
         checkpoint = getattr(module, "_gradient_checkpointing_func", None)
-        if isinstance(module, GradientCheckpointingLayer) and getattr(checkpoint, "func", None) is not _checkpoint_compiled:
+        compiled_inside = getattr(checkpoint, "func", None) is _checkpoint_compiled
+        if isinstance(module, GradientCheckpointingLayer) and not compiled_inside:
             module._gradient_checkpointing_func = partial(_checkpoint_compiled, checkpoint, call)
 
 
@@ -137,3 +205,28 @@ def zero3_init_off():
         yield
     finally:
         hf_deepspeed._hf_deepspeed_config_weak_ref = saved
+
+
+def trainer_output_dir(trainer, trial) -> Path:
+    """The folder the Trainer's own save writes checkpoints into: `output_dir`, or a search trial's subfolder."""
+    return Path(trainer._get_output_dir(trial=trial))
+
+
+def parser_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """Every option of the parser, with its dest, type, nargs and choices."""
+    return parser._actions
+
+
+def activation_memory_budget() -> float:
+    """The partitioner's current budget (see set_activation_memory_budget), for a caller that puts it back."""
+    from torch._functorch import config as functorch_config
+
+    return functorch_config.activation_memory_budget
+
+
+def set_activation_memory_budget(budget: float) -> None:
+    """The share of a compiled region's activations that the partitioner keeps for the backward (1.0: all of them;
+    below, it recomputes the cheapest instead)."""
+    from torch._functorch import config as functorch_config
+
+    functorch_config.activation_memory_budget = budget

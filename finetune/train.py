@@ -192,7 +192,7 @@ def train_and_save(trainer: SFTTrainer, run: RunConfig, tokenizer) -> None:
             checkpoints.write_atomically(Path(output_dir) / DATA_RECORD, json.dumps(run.data_sources, indent=2) + "\n")
     before = None
     if run.finetune.sample_prompt and trainer.accelerator.num_processes == 1:
-        before = model_loading.answer(trainer.model, tokenizer, run.finetune.sample_prompt,
+        before = inference.answer(trainer.model, tokenizer, run.finetune.sample_prompt,
                                       chat_template_kwargs=run.finetune.chat_template_kwargs)
     with checkpoints.writes_reported(output_dir):
         try:
@@ -216,7 +216,7 @@ def write_beside_the_model(trainer: SFTTrainer, run: RunConfig, tokenizer, befor
         save_loss_plot(trainer.state.log_history, Path(output_dir) / LOSS_PLOT)
         tracking.log_outputs(run.training, [Path(output_dir) / name for name in (LOSS_PLOT, RUN_RECORD, DATA_RECORD)])
         if before is not None:
-            after = model_loading.answer(trainer.model, tokenizer, run.finetune.sample_prompt,
+            after = inference.answer(trainer.model, tokenizer, run.finetune.sample_prompt,
                                         chat_template_kwargs=run.finetune.chat_template_kwargs)
             say(f"{run.finetune.sample_prompt!r}\n  before training: {before!r}\n  after training:  {after!r}")
         checkpoints.write_final_marker(output_dir, trainer.state.global_step, training_length(run.training))

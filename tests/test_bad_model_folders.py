@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from finetune import checkpoints, cli, inference, tiny
+from finetune import checkpoints, cli, evaluation, tiny
 from finetune import model as model_loading
 from finetune.config import RUN_RECORD
 from tests.helpers import ROOT, folder_digest, write
@@ -261,11 +261,11 @@ def test_held_out_scores_work_with_the_plain_llama_template_of_assistant_only_lo
     plain = model_loading.load_tokenizer(folders["base"], assistant_only_loss=False)
     marked = model_loading.load_tokenizer(folders["base"], assistant_only_loss=True)
     assert plain.chat_template != marked.chat_template
-    scores = inference.score(model, plain, [CONVERSATION], max_new_tokens=2)
+    scores = evaluation.score(model, plain, [CONVERSATION], max_new_tokens=2)
     assert scores["rows"] == 1
-    assert inference.assistant_loss(model, plain, [CONVERSATION]) == inference.assistant_loss(model, marked, [CONVERSATION])
+    assert evaluation.assistant_loss(model, plain, [CONVERSATION]) == evaluation.assistant_loss(model, marked, [CONVERSATION])
     plain.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    assert inference._training_chat_template(plain) is None  # unknown to TRL: the loss of the last turn instead
+    assert evaluation._training_chat_template(plain) is None  # unknown to TRL: the loss of the last turn instead
 
 
 # Training from a damaged folder: refused in model.resolve_model_path, before the tokenizer and the model load

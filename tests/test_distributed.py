@@ -329,11 +329,11 @@ def test_lora_saves_the_single_process_adapter(runs, config):
 
 def held_out_loss(output_dir: Path | str) -> float:
     """A model or adapter folder as `finetune chat | generate | eval` load it, scored on two held-out sample rows."""
-    from finetune import inference
+    from finetune import evaluation, inference
 
     model, tokenizer = inference.load_trained(str(output_dir))
     rows = [json.loads(line)["messages"] for line in (ROOT / "data/sample/test.jsonl").read_text().splitlines()[:2]]
-    return inference.assistant_loss(model, tokenizer, rows)
+    return evaluation.assistant_loss(model, tokenizer, rows)
 
 
 def test_expert_lora_resumes_from_its_checkpoint_to_the_uninterrupted_result(runs):

@@ -3,7 +3,8 @@ loads; where it runs, exactly the decoder layers' linear layers train in float8 
 
 The CPU has no float8 tensor cores, so the refusals that need an FP8 GPU pretend one; the training test runs the real
 trainer path after the check (torch 2.13 has a CPU float8 matmul, slow but exact enough for two steps) where torchao
-is installed (`pip install -e ".[fp8]"`; not part of `.[test]`, see pyproject.toml).
+is installed (`pip install -e ".[fp8]"`; not part of `.[test]`, see pyproject.toml): .ci/run installs it after the
+suite and runs this file again, so that in CI every test here runs and none is skipped.
 """
 
 import json

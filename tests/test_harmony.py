@@ -9,7 +9,7 @@ import logging
 import pytest
 from datasets import Dataset
 
-from finetune import config, data, model, train
+from finetune import config, data, inference, model, train
 from finetune.data import load_datasets
 from tests.helpers import ROOT, run_sft_in_process
 
@@ -91,8 +91,8 @@ def test_recipe_reasoning_effort_reaches_generation(harmony_trainer, monkeypatch
         return result
 
     monkeypatch.setattr(tokenizer, "apply_chat_template", spy)
-    model.answer(trainer.model, tokenizer, "What is 2 + 3?", max_new_tokens=2,
-                 chat_template_kwargs=run.finetune.chat_template_kwargs)
+    inference.answer(trainer.model, tokenizer, "What is 2 + 3?", max_new_tokens=2,
+                     chat_template_kwargs=run.finetune.chat_template_kwargs)
     assert "Reasoning: high" in rendered[0] and rendered[0].endswith("<|start|>assistant")
 
 

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from transformers import PreTrainedTokenizerBase
 
-from finetune import cli, inference
+from finetune import cli, evaluation, inference
+from finetune.model import ADAPTER_CONFIG
 from finetune.tiny import build_tiny_tokenizer
 from tests.helpers import ROOT, launch_sft
 
@@ -48,7 +49,7 @@ def test_training_prints_and_records_held_out_scores_before_and_after(trained, r
     output_dir, stdout = trained[run]
     assert "[finetune] held-out scores, 4 eval rows:" in stdout
     assert "before training:" in stdout and "after training:" in stdout
-    record = json.loads((output_dir / inference.SCORES_FILE).read_text())
+    record = json.loads((output_dir / evaluation.SCORES_FILE).read_text())
     for when in ("before", "after"):
         assert set(record[when]) == {"rows", "loss", "perplexity", "exact_match", "token_f1"}
         assert record[when]["rows"] == 4
@@ -139,7 +140,7 @@ def test_eval_loss_counts_the_tokens_sft_trains_on_and_nothing_else(trained, run
     output_dir, _ = trained[run]
     _, tokenizer = inference.load_trained(str(output_dir))
     turns = [{"role": "user", "content": PROMPTS[1]}, {"role": "assistant", "content": "red fish"}]
-    _, labels = inference._labelled(tokenizer, turns, inference._training_chat_template(tokenizer))
+    _, labels = evaluation._labelled(tokenizer, turns, evaluation._training_chat_template(tokenizer))
     trained_on = tokenizer.decode([token for token in labels if token != -100])
     assert trained_on.startswith(("red fish", "<|start|>assistant<|channel|>final<|message|>red fish"))
     assert trained_on.endswith(tokenizer.eos_token) and PROMPTS[1] not in trained_on
@@ -154,9 +155,9 @@ def test_answer_text_shows_only_gpt_oss_final_channel_and_no_special_tokens():
 
 
 def test_token_f1_and_exact_match_against_the_reference():
-    assert inference.token_f1("3 4 5", "3 4 5") == 1.0
-    assert inference.token_f1("3 4", "3 4 5 6") == pytest.approx(2 * 1 * 0.5 / 1.5)
-    assert inference.token_f1("", "3") == 0.0
+    assert evaluation.token_f1("3 4 5", "3 4 5") == 1.0
+    assert evaluation.token_f1("3 4", "3 4 5 6") == pytest.approx(2 * 1 * 0.5 / 1.5)
+    assert evaluation.token_f1("", "3") == 0.0
 
 
 @pytest.mark.parametrize(
@@ -173,7 +174,7 @@ def test_token_f1_and_exact_match_against_the_reference():
 def test_user_mistakes_are_one_error_line_and_exit_2(arguments, message, tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     (tmp_path / "adapter").mkdir()
-    (tmp_path / "adapter" / inference.ADAPTER_CONFIG).write_text(json.dumps({"peft_type": "LORA"}))
+    (tmp_path / "adapter" / ADAPTER_CONFIG).write_text(json.dumps({"peft_type": "LORA"}))
     (tmp_path / "prompts.jsonl").write_text(json.dumps({"prompt": "hi"}) + "\n")
     (tmp_path / "bad.jsonl").write_text(json.dumps({"prompt": "hi"}) + "\n" + json.dumps({"text": "hi"}) + "\n")
     paths = {name: str(tmp_path / file) for name, file in

@@ -10,8 +10,12 @@ import venv
 
 import pytest
 
-from finetune.inference import SCORES_FILE
+from finetune.evaluation import SCORES_FILE
 from tests.helpers import ROOT, printed_losses
+
+# one worker: its wheel and venv are a module fixture, and two workers building the wheel from one checkout at once
+# collide in its build/ folder
+pytestmark = pytest.mark.xdist_group("test_install")
 
 
 @pytest.fixture(scope="module")

@@ -2,8 +2,8 @@
 by the GPT-OSS LoRA recipe through `--model_name_or_path` (not --tiny) and dequantized on load, trained on the harmony
 sample alone, under ZeRO-3 and under FSDP2, its adapter saved and reloaded on the MXFP4 base in a fresh process.
 
-The expected weights come from finetune/mxfp4.py's dequantization, written from the format's definition, not from
-transformers'; the format itself is pinned by hand-made bytes below.
+The expected weights come from benchmarks/mxfp4_checkpoints.py's dequantization, written from the format's definition,
+not from transformers'; the format itself is pinned by hand-made bytes below.
 """
 
 import json
@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from finetune import mxfp4
+from benchmarks import mxfp4_checkpoints
 from tests.helpers import ROOT, free_port
 from tests.test_distributed import Run, accelerate_command, assert_setup, launch_env
 
@@ -29,9 +29,7 @@ LORA_FLAGS = [
 
 @pytest.fixture(scope="module")
 def mxfp4_folder():
-    from finetune import tiny
-
-    return tiny.tiny_mxfp4_folder()
+    return mxfp4_checkpoints.tiny_checkpoint()
 
 
 def test_tiny_checkpoint_stores_its_experts_as_the_hub_does(mxfp4_folder):
@@ -45,7 +43,7 @@ def test_tiny_checkpoint_stores_its_experts_as_the_hub_does(mxfp4_folder):
     }
     assert config["model_type"] == "gpt_oss" and config["architectures"] == ["GptOssForCausalLM"]
     weight_map = json.loads((mxfp4_folder / "model.safetensors.index.json").read_text())["weight_map"]
-    expected = mxfp4.expected_shapes(AutoConfig.from_pretrained(mxfp4_folder))
+    expected = mxfp4_checkpoints.expected_shapes(AutoConfig.from_pretrained(mxfp4_folder))
     layers = config["num_hidden_layers"]
     stored = {}
     for name, file in weight_map.items():
@@ -66,16 +64,16 @@ def test_reference_dequantization_follows_the_format_definition():
     blocks = torch.zeros(1, 1, 1, 16, dtype=torch.uint8)
     blocks[0, 0, 0, 0], blocks[0, 0, 0, 1] = 0x21, 0xF8
     scales = torch.full((1, 1, 1), 128, dtype=torch.uint8)
-    weight = mxfp4.dequantize(blocks, scales)
+    weight = mxfp4_checkpoints.dequantize(blocks, scales)
     assert weight.shape == (1, 32, 1)  # in-memory [experts, in, out]
     assert weight[0, :4, 0].tolist() == [1.0, 2.0, -0.0, -12.0] and not weight[0, 4:].any()
     # Values already on the FP4 grid survive quantize -> dequantize exactly, with the stored transpose.
-    grid = torch.tensor(mxfp4.FP4_MAGNITUDES)
+    grid = torch.tensor(mxfp4_checkpoints.FP4_MAGNITUDES)
     exact = grid[torch.randint(0, 8, (2, 64, 96))] * torch.where(torch.rand(2, 64, 96) < 0.5, -1.0, 1.0) * 2.0**-5
     exact[:, 0, :] = 6 * 2.0**-5  # every block's largest value sets its scale
-    blocks, scales = mxfp4.quantize(exact)
+    blocks, scales = mxfp4_checkpoints.quantize(exact)
     assert blocks.shape == (2, 96, 2, 16) and scales.shape == (2, 96, 2) and blocks.dtype == torch.uint8
-    assert torch.equal(mxfp4.dequantize(blocks, scales), exact)
+    assert torch.equal(mxfp4_checkpoints.dequantize(blocks, scales), exact)
 
 
 def test_recipe_loading_dequantizes_the_stored_experts_to_the_training_dtype(mxfp4_folder, tmp_path):
@@ -85,7 +83,7 @@ def test_recipe_loading_dequantizes_the_stored_experts_to_the_training_dtype(mxf
                              "--output_dir", str(tmp_path / "out")])
     config.check(run)
     loaded = model.load_model(run, model.resolve_model_path(run)).state_dict()
-    reference = mxfp4.stored_expert_weights(mxfp4_folder)
+    reference = mxfp4_checkpoints.stored_expert_weights(mxfp4_folder)
     assert len(reference) == 2 * json.loads((mxfp4_folder / "config.json").read_text())["num_hidden_layers"]
     for name, weight in reference.items():
         assert loaded[name].dtype == torch.float32, name  # the CPU training dtype (bf16 on a GPU)
@@ -118,15 +116,15 @@ import json, sys
 import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer, Mxfp4Config
-from finetune import model as finetune_model
+from finetune import inference
 adapter = sys.argv[1]
 base_path = json.loads(open(f"{adapter}/adapter_config.json").read())["base_model_name_or_path"]
 base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32, quantization_config=Mxfp4Config(dequantize=True))
 peft_model = PeftModel.from_pretrained(base, adapter)
 tokenizer = AutoTokenizer.from_pretrained(adapter)
 lora_b = {name: parameter for name, parameter in peft_model.named_parameters() if "lora_B" in name}
-answer = finetune_model.answer(peft_model, tokenizer, "What is 2 + 3?", max_new_tokens=4,
-                               chat_template_kwargs={"reasoning_effort": "high"})
+answer = inference.answer(peft_model, tokenizer, "What is 2 + 3?", max_new_tokens=4,
+                          chat_template_kwargs={"reasoning_effort": "high"})
 print(json.dumps({"base": base_path, "lora_b": len(lora_b), "trained": all(bool(p.abs().sum() > 0) for p in lora_b.values()),
                   "expert_adapters": sum("experts" in name for name in lora_b), "answer": answer}))
 """

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from finetune.architectures import model_family
 from finetune.config_files import read_recipe
+from finetune.families import family_of
 from tests.helpers import ROOT, launch_sft, printed_losses, printed_setup
 
 RECIPES = sorted(ROOT.glob("recipes/*/*.yaml"))
@@ -52,7 +52,7 @@ def reload_in_fresh_process(output_dir: Path, initial_model: Path) -> dict:
 
 
 def tiny_folder(tiny_model_cache: Path, recipe: Path) -> Path:
-    return next(tiny_model_cache.glob(f"{model_family(read_recipe(recipe)['model_name_or_path'])}-*"))
+    return next(tiny_model_cache.glob(f"{family_of(read_recipe(recipe)['model_name_or_path']).name}-*"))
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda path: f"{path.parent.name}/{path.stem}")
