@@ -2,7 +2,7 @@
 recipes/llama-3.2-1b/full.yaml as shipped (bf16, liger, eager) and with the FP8 flags (`--fp8 true --torch_compile true
 --use_liger_kernel false`), from the same weights on the same learnable rows in the same order (a random Markov chain
 whose loss floor is ln 4 = 1.386 nats, benchmarks/models.markov_rows), for 200 optimizer steps. Each run is the trainer
-scripts/sft.py builds (`finetune.config.parse_args` on the recipe, `finetune.train.build_trainer`), through the
+scripts/sft.py builds (`finetune.config.parse_args` on the recipe, `finetune.trainer.build_trainer`), through the
 throughput benchmark's `run_variant`, so its tokens/s and peak memory come with it.
 
     python3 benchmarks/fp8_parity.py --out DIR --budget 240       # GPU: both runs, 2-3 minutes on an H200

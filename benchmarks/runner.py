@@ -362,7 +362,7 @@ def run_variant(case: Case, variant: Variant, out_dir: Path, tiny: bool, layers:
     model = models.build_model(config, attn, experts, dtype, device)
     dataset = models.make_dataset(rows)
     if variant.recipe:
-        from finetune.train import build_trainer
+        from finetune.trainer import build_trainer
 
         trainer = build_trainer(run, model, tokenizer, dataset, None)
     else:

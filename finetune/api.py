@@ -65,10 +65,10 @@ def result_of(output_dir: str | os.PathLike, log_history: list[dict] | None = No
 def train(config: str | os.PathLike | None = None, **overrides) -> TrainResult:
     """Train in this process, as `python scripts/sft.py --config CONFIG --key value ...` would; no arguments at all
     train the tiny default. A user mistake raises finetune.errors.UserError with its one sentence, before loading."""
-    from finetune import sft
-
     argv = to_argv(config, overrides)
     with process_state_kept():
+        from finetune import sft
+
         try:
             run, trainer = sft.main(argv or None)
         except RunFinished as finished:
@@ -84,18 +84,18 @@ def process_state_kept():
     handler (a run's saves its checkpoint on SIGTERM)."""
     import signal
 
+    environment = dict(os.environ)  # before torch is imported: importing it sets TORCHINDUCTOR_CACHE_DIR
     from finetune import patches
 
-    environment = dict(os.environ)
     budget = patches.activation_memory_budget()
     handler = signal.getsignal(signal.SIGTERM)
     try:
         yield
     finally:
-        os.environ.clear()
-        os.environ.update(environment)
         patches.set_activation_memory_budget(budget)
         signal.signal(signal.SIGTERM, handler)
+        os.environ.clear()
+        os.environ.update(environment)
 
 
 def launch(config: str | os.PathLike | None = None, num_processes: int | None = None,
@@ -103,15 +103,15 @@ def launch(config: str | os.PathLike | None = None, num_processes: int | None = 
     """Train as `finetune launch [--config_file ACCELERATE_CONFIG] [--num_processes N] --config CONFIG ...`: the
     accelerate config checked first, the processes' output shown here, and back when they finish. A user mistake
     (in any process) raises UserError with its sentence; any other failure raises RuntimeError."""
-    from finetune import launch as launching
+    from finetune import launcher
 
-    launcher = []
+    launcher_flags = []
     if accelerate_config is not None:
-        launcher += ["--config_file", str(accelerate_config)]
+        launcher_flags += ["--config_file", str(accelerate_config)]
     if num_processes is not None:
-        launcher += ["--num_processes", str(num_processes)]
-    command = launching.accelerate_command([*launcher, *to_argv(config, overrides)])
-    code, sentence, saved_to = launching.run_and_report(command)
+        launcher_flags += ["--num_processes", str(num_processes)]
+    command = launcher.accelerate_command([*launcher_flags, *to_argv(config, overrides)])
+    code, sentence, saved_to = launcher.run_and_report(command)
     if sentence:
         raise UserError(sentence)
     if code != 0 or saved_to is None:

@@ -108,9 +108,9 @@ def add_merge(subparsers) -> None:
 
 
 def _run_launch(args: argparse.Namespace, extra: list[str]) -> int:
-    from finetune import launch
+    from finetune import launcher
 
-    return launch.main(extra)
+    return launcher.main(extra)
 
 
 def add_launch(subparsers) -> None:

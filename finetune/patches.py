@@ -5,7 +5,7 @@ Most are small functions here, each called from one visible spot; an entry that 
 private API is used instead. None runs at import. When a library fixes the problem or renames what is used, this list
 says what to revisit and which test fails first.
 
-- `FinetuneTrainer._save_checkpoint` (finetune/train.py, the one override of a private Trainer method)
+- `FinetuneTrainer._save_checkpoint` (finetune/trainer.py, the one override of a private Trainer method)
   does: runs the Trainer's save, then flushes it and writes the completeness marker; save errors become one sentence.
   why: a kill mid-save leaves a folder that looks like a complete checkpoint.
   targets: transformers 5.17-5.24 `Trainer._save_checkpoint(model, trial)`.

@@ -10,7 +10,7 @@ With no arguments it trains the tiny Llama on the bundled sample data (finetune/
 from __future__ import annotations
 
 from finetune import config, data, model
-from finetune import train as training
+from finetune import trainer as training
 from finetune.config import RunConfig
 
 

@@ -107,10 +107,10 @@ if kind == "final_enospc":  # the final model's write runs out of space half way
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.path.join(output_dir, "adapter_model.safetensors"))
     Trainer.save_model = save_model
 if kind == "plot_enospc":  # the disk fills up after the final model is in place
-    from finetune import train
+    from finetune import trainer
     def save_loss_plot(log_history, path):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
-    train.save_loss_plot = save_loss_plot
+    trainer.save_loss_plot = save_loss_plot
 if kind == "before_marker":
     original_write_marker = checkpoints.write_marker
     def write_marker(folder, at_step, world_size):

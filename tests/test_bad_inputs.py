@@ -84,18 +84,18 @@ def finetune_launch(config_text: str):
     return lambda t: [FINETUNE, "launch", "--config_file", str(write(t / "accelerate.yaml", config_text))]
 
 
-def run_finetune_launch_in_process(launcher: list[str], arguments: list[str], capfd, monkeypatch):
+def run_finetune_launch_in_process(command: list[str], arguments: list[str], capfd, monkeypatch):
     """`finetune launch ...` in this process; handing over to accelerate would fail the test (a refusal comes first)."""
-    from finetune import cli, launch
+    from finetune import cli, launcher
 
     def run_and_report(*_):
         raise AssertionError("finetune launch started accelerate instead of refusing the config file")
 
-    monkeypatch.setattr(launch, "run_and_report", run_and_report)
+    monkeypatch.setattr(launcher, "run_and_report", run_and_report)
     capfd.readouterr()
-    code = cli.main([*launcher[1:], *arguments])
+    code = cli.main([*command[1:], *arguments])
     out, err = capfd.readouterr()
-    return subprocess.CompletedProcess(launcher, code, out, err)
+    return subprocess.CompletedProcess(command, code, out, err)
 
 
 def accelerate_launch(config_builder):

@@ -392,7 +392,7 @@ def test_fsdp_config_falling_back_to_ddp_stops_with_a_clear_error(tmp_path):
 
 def test_processes_training_as_independent_runs_is_a_setup_problem():
     """A GPU-style config on a machine without GPU: N processes launched, each training alone at world size 1."""
-    from finetune.train import setup_problem
+    from finetune.trainer import setup_problem
 
     independent = {"world_size": 1, "strategy": "single", "wrapper": "LlamaForCausalLM"}
     assert "2 processes were launched but they train as 1 independent run" in setup_problem(independent, "ddp", 2)

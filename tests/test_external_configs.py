@@ -147,15 +147,15 @@ CHECKED_IN_TRAINING = [
 
 @pytest.mark.parametrize("case", CHECKED_IN_TRAINING, ids=[case[0] for case in CHECKED_IN_TRAINING])
 def test_a_file_runs_as_it_says_or_its_contradiction_with_the_recipe_is_refused(case, tmp_path, monkeypatch, capsys):
-    from finetune import accelerate_checks, config, launch
+    from finetune import accelerate_checks, config, launcher
     from finetune.errors import UserError
 
     _, config_file, folder, flags, refusal, note = case
     monkeypatch.chdir(folder)
-    monkeypatch.setattr(launch, "default_config_file", lambda: str(tmp_path / "no-default.yaml"))
-    command = launch.accelerate_command(["--config_file", str(config_file), *TINY, *flags])
+    monkeypatch.setattr(launcher, "default_config_file", lambda: str(tmp_path / "no-default.yaml"))
+    command = launcher.accelerate_command(["--config_file", str(config_file), *TINY, *flags])
     assert command[command.index("--config_file") + 1] == str(config_file)
-    assert command[command.index(str(launch.SFT_SCRIPT)):] == [str(launch.SFT_SCRIPT), *TINY, *flags]
+    assert command[command.index(str(launcher.SFT_SCRIPT)):] == [str(launcher.SFT_SCRIPT), *TINY, *flags]
 
     launched_by_accelerate(monkeypatch, config_file)
     run = config.parse_args([*TINY, *flags, "--output_dir", str(tmp_path / "out")])
@@ -288,13 +288,13 @@ def test_accelerate_fields_beside_a_deepspeed_json_are_refused_before_accelerate
 def test_the_setup_line_names_what_is_offloaded_and_the_optimizer_inside_its_wrappers():
     import torch
 
-    from finetune import train
+    from finetune import trainer
 
     plugin = SimpleNamespace(deepspeed_config=json.loads((AXOLOTL / "zero3_bf16_cpuoffload_params.json").read_text()))
-    assert train._offloaded(SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin))) == {"parameters": "cpu"}
+    assert trainer._offloaded(SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin))) == {"parameters": "cpu"}
     optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], fused=False)
     zero_wrapped = SimpleNamespace(optimizer=SimpleNamespace(optimizer=optimizer))  # accelerate's, then DeepSpeed's
-    assert train._optimizer_name(train._innermost(zero_wrapped, "optimizer")) == "AdamW"
+    assert trainer._optimizer_name(trainer._innermost(zero_wrapped, "optimizer")) == "AdamW"
 
 
 def test_trls_single_gpu_file_trains_one_process_and_says_what_it_ignored(tmp_path):
@@ -322,8 +322,8 @@ def test_finetune_launch_exits_143_for_a_run_a_sigterm_stopped_whatever_its_laun
     decides."""
     import sys
 
-    from finetune import launch
+    from finetune import launcher
 
     stopped = "from finetune import outcome; outcome.record(outcome.PREEMPTED, 'out'); raise SystemExit(1)"
-    assert launch.run_and_report([sys.executable, "-c", stopped]) == (143, None, None)
-    assert launch.run_and_report([sys.executable, "-c", "raise SystemExit(1)"]) == (1, None, None)
+    assert launcher.run_and_report([sys.executable, "-c", stopped]) == (143, None, None)
+    assert launcher.run_and_report([sys.executable, "-c", "raise SystemExit(1)"]) == (1, None, None)

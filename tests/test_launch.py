@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from finetune import launch, plan
+from finetune import launcher, plan
 from finetune.config_files import read_recipe
 from tests.helpers import ROOT, free_port, printed_setup
 
@@ -37,7 +37,7 @@ def gpus(monkeypatch, tmp_path):
         monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
         monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: SimpleNamespace(total_memory=H200_BYTES))
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: "NVIDIA H200")
-    monkeypatch.setattr(launch, "default_config_file", lambda: str(tmp_path / "no-default-config.yaml"))
+    monkeypatch.setattr(launcher, "default_config_file", lambda: str(tmp_path / "no-default-config.yaml"))
     return pretend
 
 
@@ -52,34 +52,34 @@ def flag(command: list[str], name: str) -> str | None:
 ])
 def test_launch_without_a_config_file_uses_the_planners_choice_for_the_gpus_it_sees(gpus, recipe, count, technique):
     gpus(count)
-    command = launch.accelerate_command(["--config", recipe, "--max_steps", "5"])
+    command = launcher.accelerate_command(["--config", recipe, "--max_steps", "5"])
     chosen = plan.plan(read_recipe(ROOT / recipe, {"max_steps": 5}), gpus=count, gpu_memory_gib=H200_BYTES / 2**30)
     assert chosen.technique == technique
     assert flag(command, "--config_file") == str(ROOT / plan.CONFIG_FILES[technique])
     assert flag(command, "--num_processes") == str(count)
-    assert command[-5:] == [str(launch.SFT_SCRIPT), "--config", recipe, "--max_steps", "5"]
+    assert command[-5:] == [str(launcher.SFT_SCRIPT), "--config", recipe, "--max_steps", "5"]
 
 
 def test_launch_without_gpus_runs_one_process_on_the_cpu_passing_what_accelerate_would_warn_about(gpus, monkeypatch):
     import psutil
 
     gpus(0)
-    monkeypatch.setattr(launch, "default_config_file", lambda: "/nonexistent/default_config.yaml")
+    monkeypatch.setattr(launcher, "default_config_file", lambda: "/nonexistent/default_config.yaml")
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # tests/conftest.py sets it; a user's shell usually does not
-    command = launch.accelerate_command(["--config", "recipes/llama-3.2-1b/full.yaml", "--tiny"])
+    command = launcher.accelerate_command(["--config", "recipes/llama-3.2-1b/full.yaml", "--tiny"])
     assert "--config_file" not in command and flag(command, "--num_processes") == "1"
     assert [flag(command, name) for name in ("--num_machines", "--mixed_precision", "--dynamo_backend")] == ["1", "no", "no"]
     # accelerate itself would give a process launched without --cpu one thread
     assert flag(command, "--num_cpu_threads_per_process") == str(psutil.cpu_count(logical=False) or 1)
-    assert command[-4:] == [str(launch.SFT_SCRIPT), "--config", "recipes/llama-3.2-1b/full.yaml", "--tiny"]
+    assert command[-4:] == [str(launcher.SFT_SCRIPT), "--config", "recipes/llama-3.2-1b/full.yaml", "--tiny"]
 
 
 def test_launch_checks_accelerates_default_config_when_given_no_file(monkeypatch, tmp_path):
     default = tmp_path / "default_config.yaml"
     default.write_text("distributed_type: MULTI_GPX\n")
-    monkeypatch.setattr(launch, "default_config_file", lambda: str(default))
-    with pytest.raises(launch.UserError, match="default_config.yaml: `distributed_type: MULTI_GPX`"):
-        launch.accelerate_command(["--config", "recipes/llama-3.2-1b/full.yaml"])
+    monkeypatch.setattr(launcher, "default_config_file", lambda: str(default))
+    with pytest.raises(launcher.UserError, match="default_config.yaml: `distributed_type: MULTI_GPX`"):
+        launcher.accelerate_command(["--config", "recipes/llama-3.2-1b/full.yaml"])
 
 
 def test_a_broken_accelerate_file_is_refused_without_importing_trl_or_torch(tmp_path):
@@ -97,7 +97,7 @@ def test_the_launcher_reads_how_the_run_ended_from_its_outcome_not_from_its_outp
     looks like either is only shown."""
     import sys
 
-    from finetune import launch
+    from finetune import launcher
 
     def child(code: str) -> list[str]:
         return [sys.executable, "-c", f"import sys; from finetune import outcome; {code}"]
@@ -106,7 +106,7 @@ def test_the_launcher_reads_how_the_run_ended_from_its_outcome_not_from_its_outp
     refused = child("outcome.record(outcome.USER_ERROR, error='recipe.yaml: `lr: x` is no number; fix it.'); "
                     "print('error: recipe.yaml: `lr: x` is no number; fix it.', file=sys.stderr); sys.exit(2)")
     crashed = child("print('error: looks like a sentence', file=sys.stderr); sys.exit(1)")
-    assert launch.run_and_report(saved) == (0, None, "out/run")
-    assert launch.run_and_report(refused) == (2, "recipe.yaml: `lr: x` is no number; fix it.", None)
-    assert launch.run_and_report(crashed) == (1, None, None)
+    assert launcher.run_and_report(saved) == (0, None, "out/run")
+    assert launcher.run_and_report(refused) == (2, "recipe.yaml: `lr: x` is no number; fix it.", None)
+    assert launcher.run_and_report(crashed) == (1, None, None)
     assert "error: looks like a sentence" in capfd.readouterr().err

@@ -450,12 +450,12 @@ def test_finetune_plan_says_a_recipe_mistake_in_one_error_line(tmp_path, recipe_
 def test_an_unknown_model_through_finetune_launch_is_one_error_line(tmp_path, monkeypatch, capsys):
     import torch
 
-    from finetune import cli, launch
+    from finetune import cli, launcher
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)  # 8 H200s here, and no accelerate config file
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: SimpleNamespace(total_memory=141 * 10**9))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: "NVIDIA H200")
-    monkeypatch.setattr(launch, "default_config_file", lambda: str(tmp_path / "no-default-config.yaml"))
+    monkeypatch.setattr(launcher, "default_config_file", lambda: str(tmp_path / "no-default-config.yaml"))
     path = tmp_path / "recipe.yaml"
     path.write_text("model_name_or_path: Qwen/Qwen3-8B\n")
     assert cli.main(["launch", "--config", str(path), "--max_steps", "5"]) == 2  # returned: no traceback

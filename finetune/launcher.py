@@ -25,7 +25,7 @@ from pathlib import Path
 
 import yaml
 
-from finetune import make_callable, outcome
+from finetune import outcome
 from finetune.config_files import (
     FSDP_V1_REFUSAL,
     local_or_shipped,
@@ -246,6 +246,3 @@ def main(argv: list[str]) -> int:
     say("launch: " + " ".join(shlex.quote(part) for part in command))
     code, sentence, _ = run_and_report(command)
     return 2 if sentence else code
-
-
-make_callable(sys.modules[__name__])  # finetune.launch(...) runs finetune.api.launch

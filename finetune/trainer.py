@@ -5,14 +5,13 @@ resume from the output folder, a generation config that stops, a record of the r
 import json
 import logging
 import os
-import sys
 from pathlib import Path
 
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel, TrainerCallback
 from trl import SFTTrainer
 
-from finetune import (attention, checkpoints, compilation, evaluation, expert_lora, fp8, inference, make_callable,
+from finetune import (attention, checkpoints, compilation, evaluation, expert_lora, fp8, inference,
                       outcome, patches, resume, speed, tracking)
 from finetune import model as model_loading
 from finetune.config import RUN_RECORD, RunConfig, run_identity, training_length
@@ -253,6 +252,3 @@ def save_loss_plot(log_history: list[dict], path: Path) -> None:
         axes.legend()
     figure.tight_layout()
     figure.savefig(path)
-
-
-make_callable(sys.modules[__name__])  # finetune.train(...) runs finetune.api.train
