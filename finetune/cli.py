@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from finetune.errors import UserError, report
+from finetune.errors import UserError, report, say
 
 
 def whole_number(minimum: int):
@@ -164,7 +164,7 @@ def _run_generate(args: argparse.Namespace, extra: list[str]) -> int:
     with open(args.out, "w", encoding="utf-8") as out:
         out.writelines(json.dumps({**row, "answer": answer}, ensure_ascii=False) + "\n"
                        for (row, _), answer in zip(prompts, answers))
-    print(f"[finetune] {len(answers)} answers written to {args.out}")
+    say(f"{len(answers)} answers written to {args.out}")
     return 0
 
 
@@ -210,9 +210,9 @@ def _run_eval(args: argparse.Namespace, extra: list[str]) -> int:
     }, indent=2, ensure_ascii=False) + "\n")
     width = max(len(name) for name in names)
     for name in names:
-        print(f"[finetune] eval {name:<{width}}  {args.dataset_name} [{args.split}], {len(conversations)} rows: "
-              f"{evaluation.summary(scores[name])}")
-    print(f"[finetune] report written to {report_file}")
+        say(f"eval {name:<{width}}  {args.dataset_name} [{args.split}], {len(conversations)} rows: "
+            f"{evaluation.summary(scores[name])}")
+    say(f"report written to {report_file}")
     return 0
 
 

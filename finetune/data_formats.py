@@ -10,14 +10,13 @@ alignment-handbook's mixture schema (src/alignment/configs.py and data.py there)
 """
 
 import json
-import os
 from collections import defaultdict
 from functools import reduce
 
 import pyarrow.compute as pc
 from datasets import Dataset, concatenate_datasets
 
-from finetune.errors import UserError
+from finetune.errors import UserError, say
 
 TRL_COLUMNS = {"messages": ["messages"], "prompt-completion": ["prompt", "completion"], "text": ["text"]}
 # What TRL reads beside a format's own columns, row by row. Every other column is dropped before TRL sees the rows:
@@ -56,11 +55,6 @@ def trl_format(columns: list[str]) -> str | None:
     """The one place the data's format is told from its columns: the first of TRL's formats whose columns are all
     there (`messages` before `prompt` + `completion` before `text`), or None."""
     return next((name for name, needed in TRL_COLUMNS.items() if set(needed) <= set(columns)), None)
-
-
-def _say(message: str) -> None:
-    if os.environ.get("RANK", "0") == "0":  # one line per run, not one per process
-        print(f"[finetune] {message}", flush=True)
 
 
 def _from_command_line(value):
@@ -127,7 +121,7 @@ def to_trl_format(dataset: Dataset, source: str, columns: dict | list | None = N
         kept = TRL_COLUMNS[shape] + [column for column in TRL_EXTRAS if column in dataset.column_names]
         unused = [column for column in dataset.column_names if column not in kept]
         if unused:
-            _say(f"{source}: training on {' + '.join(f'`{column}`' for column in TRL_COLUMNS[shape])}; columns not "
+            say(f"{source}: training on {' + '.join(f'`{column}`' for column in TRL_COLUMNS[shape])}; columns not "
                  f"used: {unused}")
         return dataset.select_columns(kept)
     if shape == "oasst":
@@ -138,7 +132,7 @@ def to_trl_format(dataset: Dataset, source: str, columns: dict | list | None = N
                             remove_columns=dataset.column_names)
     # a TRL column beside them (tatsu-lab/alpaca's prompt-formatted `text`) is said to be left out, not trained on
     passed_over = [column for column in dataset.column_names if column in ("messages", "prompt", "completion", "text")]
-    _say(f"{source}: {label} rows found; {len(converted)} rows converted to `messages`"
+    say(f"{source}: {label} rows found; {len(converted)} rows converted to `messages`"
          + (f" (not used: {passed_over})" if passed_over else ""))
     return converted
 
@@ -310,7 +304,7 @@ def _oasst_conversations(dataset: Dataset, source: str) -> Dataset:
     if not conversations:
         raise UserError(f"{source}: the oasst message trees hold no prompt with a reply; give the file whole trees "
                         f"(every message from each tree's prompt on).")
-    _say(f"{source}: oasst message trees found: {len(dataset)} messages in {len(roots)} trees; each tree's top-ranked "
+    say(f"{source}: oasst message trees found: {len(dataset)} messages in {len(roots)} trees; each tree's top-ranked "
          f"path kept as one conversation ({len(conversations)} rows in `messages`)")
     return Dataset.from_dict({"messages": conversations})
 
@@ -342,7 +336,7 @@ def check_mixture(mixture, source: str) -> dict:
     if any(fractions) and not all(fractions):
         raise UserError(f"{source}: `dataset_mixture` sets `fraction` on some entries only; set it on all or none.")
     if schemas == {True}:
-        _say("dataset_mixture in alignment-handbook's schema: `id` is each dataset, `weight` the share of its own rows "
+        say("dataset_mixture in alignment-handbook's schema: `id` is each dataset, `weight` the share of its own rows "
              "kept, `test_split_size` the test rows taken from the mixture")
     return {**mixture, "datasets": checked}
 
@@ -427,5 +421,5 @@ def mix(parts: list[tuple[str, Dataset, float | None]], seed: int, source: str) 
             f"make their turns the same shape."
         ) from None
     counts = {label: len(rows) for (label, _, _), rows in zip(parts, selected)}
-    _say(f"dataset mixture: {len(mixed)} rows ({', '.join(f'{label}: {n}' for label, n in counts.items())})")
+    say(f"dataset mixture: {len(mixed)} rows ({', '.join(f'{label}: {n}' for label, n in counts.items())})")
     return mixed, counts

@@ -4,6 +4,7 @@ A `UserError`'s message is one sentence naming the file, the field and the fix. 
 module (the planner and `finetune launch` included) can raise it without pulling in trl or torch.
 """
 
+import os
 import sys
 
 
@@ -24,9 +25,10 @@ FINISHED_PREFIX = "[finetune] finished already: "
 
 
 def say(message: str, stream=None) -> None:
-    """The one way the toolkit tells the user something: one `[finetune] ` line, flushed at once (launchers and
-    notebooks interleave several processes' output)."""
-    print(f"[finetune] {message}", file=stream or sys.stdout, flush=True)
+    """The one way the toolkit tells the user something: one `[finetune] ` line from the main process (one line per
+    run, not one per process), flushed at once (launchers and notebooks interleave several processes' output)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"[finetune] {message}", file=stream or sys.stdout, flush=True)
 
 
 def report(error: UserError) -> int:

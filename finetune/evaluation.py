@@ -14,6 +14,7 @@ from pathlib import Path
 
 from finetune import families
 from finetune.data_formats import trl_format
+from finetune.errors import say
 from finetune.inference import generate_answers, no_router_logits
 
 SCORES_FILE = "finetune_scores.json"
@@ -177,16 +178,16 @@ def before_after_callback(eval_set, rows: int, tokenizer):
                 return
             if args.world_size > 1:
                 if state.is_world_process_zero:
-                    print("[finetune] held-out scores before/after training are computed in single-process runs "
-                          "only; score the saved model with `finetune eval OUTPUT_DIR --dataset_name DATA "
-                          "--compare BASE_MODEL`.", flush=True)
+                    say("held-out scores before/after training are computed in single-process runs "
+                        "only; score the saved model with `finetune eval OUTPUT_DIR --dataset_name DATA "
+                        "--compare BASE_MODEL`.")
                 return
             self.scores["after"] = score(model, tokenizer, conversations, _batch_size(model))
             self.report(args.output_dir)
 
         def report(self, output_dir: str) -> None:
             answers = {f"{when} training": result.pop("answers") for when, result in self.scores.items()}
-            print(f"[finetune] held-out scores, {len(conversations)} eval rows:", flush=True)
+            say(f"held-out scores, {len(conversations)} eval rows:")
             for when, result in self.scores.items():
                 print(f"  {when + ' training:':<17} {summary(result)}", flush=True)
             Path(output_dir).mkdir(parents=True, exist_ok=True)

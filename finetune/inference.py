@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from finetune import families
-from finetune.errors import UserError
+from finetune.errors import UserError, say
 
 SPECIAL_TOKEN = re.compile(r"<\|[^|<>\s]*\|>")
 
@@ -152,14 +152,14 @@ def chat(model, tokenizer, system: str | None = None, generation: dict | None = 
     generation = generation or {"max_new_tokens": 256}
     start = [{"role": "system", "content": system}] if system else []
     messages = list(start)
-    print("[finetune] chat: type a message; /reset starts a new conversation, /exit quits", file=sys.stderr)
+    say("chat: type a message; /reset starts a new conversation, /exit quits", stream=sys.stderr)
     for line in _typed_lines(lines or sys.stdin):
         text = line.strip()
         if text == "/exit":
             break
         if text == "/reset":
             messages = list(start)
-            print("[finetune] conversation reset", file=sys.stderr, flush=True)
+            say("conversation reset", stream=sys.stderr)
             continue
         if not text:
             continue
