@@ -95,7 +95,8 @@ TWO_STEPS = ["--max_steps", "2", "--per_device_train_batch_size", "2", "--gradie
 def fp8_trainer(recipe, output_dir, *flags: str, vocabulary_padded: bool = False):
     """The real path after the check: the recipe parsed with `fp8: true`, its tiny Llama loaded, the FinetuneTrainer
     built (which converts) on 8 sample rows. Returns the run, the tiny model's folder and the trainer."""
-    from finetune import config, data, model, train
+    from finetune import config, data, model
+    from finetune import trainer as training
 
     run = config.parse_args(["--config", str(recipe), "--tiny", "--fp8", "true", *flags, "--output_dir", str(output_dir),
                              *TWO_STEPS])
@@ -105,7 +106,7 @@ def fp8_trainer(recipe, output_dir, *flags: str, vocabulary_padded: bool = False
     llama = model.load_model(run, path)
     if vocabulary_padded:
         llama.resize_token_embeddings(pad_to_multiple_of=16)  # as Llama 3.2's 128,256: LM head sizes suit float8 too
-    return run, path, train.build_trainer(run, llama, tokenizer, train_set.select(range(8)), None)
+    return run, path, training.build_trainer(run, llama, tokenizer, train_set.select(range(8)), None)
 
 
 def test_fp8_trains_exactly_the_decoder_linears_in_float8_and_saves_a_plain_bf16_model(tmp_path):

@@ -9,7 +9,8 @@ import logging
 import pytest
 from datasets import Dataset
 
-from finetune import config, data, inference, model, train
+from finetune import config, data, inference, model
+from finetune import trainer as training
 from finetune.data import load_datasets
 from tests.helpers import ROOT, run_sft_in_process
 
@@ -51,7 +52,7 @@ def harmony_trainer(tmp_path_factory):
     model_path = model.resolve_model_path(run)
     tokenizer = model.load_tokenizer(model_path, run.training.assistant_only_loss)
     train_set, _ = load_datasets(run.script, run.training, sources=run.finetune, tokenizer=tokenizer)
-    trainer = train.build_trainer(run, model.load_model(run, model_path), tokenizer, train_set, None)
+    trainer = training.build_trainer(run, model.load_model(run, model_path), tokenizer, train_set, None)
     return run, trainer, tokenizer
 
 

@@ -5,7 +5,8 @@ import json
 import pytest
 import torch
 
-from finetune import config, data, model, train
+from finetune import config, data, model
+from finetune import trainer as training
 from finetune.data import load_datasets
 from finetune.errors import UserError
 from tests.helpers import ROOT
@@ -22,7 +23,7 @@ def build(recipe: str, tmp_path, *overrides: str):
 def test_assistant_only_loss_keeps_the_end_of_turn_token_in_the_labels(tmp_path, recipe, end_of_turn):
     run, model_path, tokenizer = build(recipe, tmp_path, "--eval_strategy", "no", "--packing", "false")
     train_set, _ = load_datasets(run.script, run.training)
-    trainer = train.build_trainer(run, model.load_model(run, model_path), tokenizer, train_set.select(range(8)), None)
+    trainer = training.build_trainer(run, model.load_model(run, model_path), tokenizer, train_set.select(range(8)), None)
     example = trainer.train_dataset[0]
     trained_ids = [label for label in example["labels"] if label != -100]
     answer = train_set[0]["messages"][-1]["content"]
@@ -35,7 +36,7 @@ def test_packed_rows_train_one_end_of_turn_per_conversation_and_no_prompts(tmp_p
     run, model_path, tokenizer = build("llama-3.2-1b/lora.yaml", tmp_path, "--eval_strategy", "no")
     assert run.training.packing, "the Llama recipes pack rows"
     train_set, _ = load_datasets(run.script, run.training)
-    trainer = train.build_trainer(run, model.load_model(run, model_path), tokenizer, train_set.select(range(20)), None)
+    trainer = training.build_trainer(run, model.load_model(run, model_path), tokenizer, train_set.select(range(20)), None)
     example = trainer.train_dataset[0]
     end_of_turn = tokenizer.convert_tokens_to_ids("<|eot_id|>")
     conversations = len(example["seq_lengths"])
@@ -80,7 +81,7 @@ def test_truncation_off_refuses_exactly_the_rows_trl_would_cut(tmp_path, data_fo
                                        "--packing", "false", "--dataset_name", str(path), "--max_length", "100000",
                                        "--truncation", "false", "--assistant_only_loss", str(conversational).lower())
     train_set, _ = load_datasets(run.script, run.training)
-    trainer = train.build_trainer(run, model.load_model(run, model_path), tokenizer, train_set, None)
+    trainer = training.build_trainer(run, model.load_model(run, model_path), tokenizer, train_set, None)
     trl_lengths = [len(example["input_ids"]) for example in trainer.train_dataset]
     assert [data._token_count(row, tokenizer) for row in train_set] == trl_lengths
     longest = max(trl_lengths)
