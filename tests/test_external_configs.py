@@ -6,7 +6,8 @@ A file meets two checks (finetune/accelerate_checks.py): `finetune launch` reads
 and every training process reads it again from its launcher's command line and compares it with the recipe. Both run
 here in this process, the second given the command line an `accelerate launch` would have had; the DeepSpeed JSONs
 meet `config.check_deepspeed_agrees`. One real `accelerate launch` (TRL's single_gpu.yaml) shows a training process
-finding its launcher's file, saying what it ignores, and naming the optimizer and schedule that run.
+finding its launcher's file, saying what it ignores, and naming the optimizer and schedule that run; TRL's files for
+several GPUs (DDP, FSDP2, ZeRO-3) train two CPU processes for real (about 30-90 s each).
 """
 
 import json
@@ -327,3 +328,21 @@ def test_finetune_launch_exits_143_for_a_run_a_sigterm_stopped_whatever_its_laun
     stopped = "from finetune import outcome; outcome.record(outcome.PREEMPTED, 'out'); raise SystemExit(1)"
     assert launcher.run_and_report([sys.executable, "-c", stopped]) == (143, None, None)
     assert launcher.run_and_report([sys.executable, "-c", "raise SystemExit(1)"]) == (1, None, None)
+
+
+@pytest.mark.parametrize(("config_file", "strategy"), [
+    (TRL / "multi_gpu.yaml", "ddp"), (TRL / "fsdp2.yaml", "fsdp"), (TRL / "zero3.yaml", "zero3")],
+    ids=["TRL multi_gpu", "TRL fsdp2", "TRL zero3"])
+def test_a_file_for_several_gpus_trains_two_processes_as_it_says(config_file, strategy, tmp_path):
+    """TRL's files for 8 GPUs, launched as they are on two CPU processes (`--num_processes 2` is the only change):
+    what runs is the strategy the file names, and the run saves one ordinary model."""
+    output_dir = tmp_path / "out"
+    result = subprocess.run(
+        [ACCELERATE, "launch", "-q", "--config_file", str(config_file), "--num_processes", "2",
+         "--main_process_port", str(free_port()), SCRIPT, *TINY, "--max_steps", "2", "--eval_strategy", "no",
+         "--report_to", "none", "--eval_samples_before_after", "0", "--output_dir", str(output_dir)],
+        cwd=ROOT, capture_output=True, text=True, timeout=420, env=os.environ.copy(), check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    setup = printed_setup(result.stdout)
+    assert (setup["world_size"], setup["strategy"]) == (2, strategy), setup
+    assert (output_dir / "model.safetensors").is_file()
