@@ -26,7 +26,9 @@ from finetune.config_files import (
     RENAMED_KEYS,
     accelerate_config_file,
     read_deepspeed_config,
+    read_foreign_keys,
     read_recipe,
+    refuse_unknown_keys,
     requested_strategy,
     shipped,
 )
@@ -182,86 +184,8 @@ def _parser() -> TrlParser:
     return _Parser((ScriptArguments, SFTConfig, ModelConfig, FinetuneArguments))
 
 
-
-
-
-
-# Keys of alignment-handbook and TRL recipes that transformers 5 and TRL 1.x no longer read, and why leaving them out
-# changes nothing
-DROPPED_KEYS = {
-    "overwrite_output_dir": "gone from transformers 5: finetune resumes its own run in output_dir and refuses "
-                            "another's",
-    "dataset_batch_size": "gone from TRL 0.18, which said it can be removed",
-}
-# alignment-handbook's `dataset_kwargs`, which ask for what TRL 1.x does with conversations anyway: no special tokens
-# added to a rendered chat, nothing added between packed rows
-HANDBOOK_DATASET_KWARGS = ("add_special_tokens", "append_concat_token")  # both `false` there
-# Keys of other tools' recipes with no setting of that name here, and what to write instead
-FOREIGN_KEY_HINTS = {
-    "use_flash_attention_2": "use `attn_implementation: flash_attention_2`",
-    "dataset_mixer": "alignment-handbook's old mixer: write `dataset_mixture: {datasets: [{id: ..., split: ..., "
-                     "weight: ...}]}`",
-    "dataset_splits": "give each `dataset_mixture` entry its `split`",
-    "num_of_sequences": "gone from TRL 0.18: `max_length` sets the packed length",
-    "chars_per_token": "gone from TRL 0.18: `max_length` sets the packed length",
-    "num_processes": "a launcher setting: pass `--num_processes N` to `finetune launch` or `accelerate launch`",
-    "num_machines": "a launcher setting: pass `--num_machines N` to `finetune launch` or `accelerate launch`",
-    "accelerate_config": "pass that file as `--config_file` to `finetune launch` or `accelerate launch`",
-    "logging_dir": "transformers 5 reads TENSORBOARD_LOGGING_DIR: set it under `env:`",
-    "datasets": "TRL's mixture list: move it under `dataset_mixture:`",
-    "streaming": "finetune loads datasets whole: remove it",
-}
-
-
-def _read_foreign_keys(recipe: dict, recipe_path: str) -> dict:
-    """alignment-handbook's and TRL's recipe keys that mean a setting of finetune's under another shape, in that
-    shape; and those that transformers 5 and TRL 1.x no longer read, left out where that changes nothing. One line
-    says what was read how. The other keys of those recipes are TRL's own (RENAMED_KEYS: read_recipe)."""
-    recipe, notes = dict(recipe), []
-    for key, why in DROPPED_KEYS.items():
-        if key in recipe:
-            del recipe[key]
-            notes.append(f"left out `{key}` ({why})")
-    kwargs = recipe["dataset_kwargs"] if isinstance(recipe.get("dataset_kwargs"), dict) else {}
-    handbook_kwargs = [key for key in HANDBOOK_DATASET_KWARGS if kwargs.get(key) is False]
-    if handbook_kwargs:
-        recipe["dataset_kwargs"] = {key: value for key, value in kwargs.items() if key not in handbook_kwargs} or None
-        notes.append(f"left out `dataset_kwargs` {', '.join(f'{key}: false' for key in handbook_kwargs)} (what "
-                     f"TRL 1.x does with conversations anyway)")
-    if isinstance(recipe.get("datasets"), list) and "dataset_mixture" not in recipe:
-        # TRL's CLI mixes a top-level `datasets:` list (trl.scripts.utils.DatasetMixtureConfig)
-        moved = ["datasets", "test_split_size"] if "test_split_size" in recipe else ["datasets"]
-        recipe["dataset_mixture"] = {key: recipe.pop(key) for key in moved}
-        if recipe.get("streaming") is False:  # TRL's default
-            del recipe["streaming"]
-        notes.append(f"read TRL's {' and '.join(f'`{key}`' for key in moved)} as `dataset_mixture`")
-    if notes and os.environ.get("RANK", "0") == "0":
-        say(f"{recipe_path}: {'; '.join(notes)}")
-    return recipe
-
-
 def _refuse_unknown_keys(parser: TrlParser, recipe: dict, recipe_path: str) -> None:
-    """Every key the parser does not know, in one sentence, each with the key it likely means: a recipe brought from
-    another project costs one launch to fix, not one per key."""
-    known = {action.dest for action in patches.parser_actions(parser)} | {"env"}
-    unknown = [f"`{key}`{_hint(key, known)}" for key in recipe if key not in known]
-    kwargs = recipe.get("dataset_kwargs")
-    if isinstance(kwargs, dict):  # TRL leaves other keys unread without a word
-        unknown += [f"`dataset_kwargs.{key}` (TRL 1.x reads only `skip_prepare_dataset` there)" for key in kwargs
-                    if key != "skip_prepare_dataset"]
-    if len(unknown) == 1:
-        raise UserError(f"{recipe_path}: unknown key {unknown[0]}; remove it or fix its spelling (the keys are the "
-                        f"flags of SFTConfig, ModelConfig, ScriptArguments and finetune's own).")
-    if unknown:
-        raise UserError(f"{recipe_path}: unknown keys {', '.join(unknown)}; remove them or fix their spelling (the "
-                        f"keys are the flags of SFTConfig, ModelConfig, ScriptArguments and finetune's own).")
-
-
-def _hint(key: str, known: set[str]) -> str:
-    if key in FOREIGN_KEY_HINTS:
-        return f" ({FOREIGN_KEY_HINTS[key]})"
-    close = difflib.get_close_matches(key, known, n=1, cutoff=0.75)
-    return f" (did you mean `{close[0]}`?)" if close else ""
+    refuse_unknown_keys(recipe, {action.dest for action in patches.parser_actions(parser)}, recipe_path)
 
 
 def _coerce_recipe_values(parser: TrlParser, recipe: dict, recipe_path: str) -> dict:
@@ -339,7 +263,7 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
     if checkpointing == "activation_checkpointing":  # TRL's default on by the new name, so nothing warns
         parser.set_defaults(gradient_checkpointing=None, activation_checkpointing=SFTConfig.gradient_checkpointing)
     if recipe_path:
-        recipe = _read_foreign_keys(recipe, recipe_path)
+        recipe = read_foreign_keys(recipe, recipe_path)
         _refuse_unknown_keys(parser, recipe, recipe_path)
         recipe = _coerce_recipe_values(parser, recipe, recipe_path)
         env = {key: str(value) for key, value in (recipe.pop("env", None) or {}).items()}

@@ -33,10 +33,11 @@ import importlib.util
 import json
 import math
 import shlex
+import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from finetune.config_files import parse_overrides, read_recipe
+from finetune.config_files import parse_overrides, read_foreign_keys, read_recipe, refuse_unknown_keys
 from finetune.errors import UserError
 from finetune.families import FAMILIES, config_values, family_of_type
 
@@ -235,6 +236,21 @@ BOOLEAN_WORDS = {"yes": True, "true": True, "t": True, "y": True, "1": True,
 
 
 @functools.cache
+def run_fields() -> set[str]:
+    """Every key a recipe may set: the fields of RUN_DATACLASSES and of TRL's ScriptArguments."""
+    fields = set()
+    for package, file, class_name in (*RUN_DATACLASSES, ("trl", "scripts/utils.py", "ScriptArguments")):
+        source = Path(importlib.util.find_spec(package).submodule_search_locations[0]) / file  # found, not imported
+        if source.is_file():
+            module = ast.parse(source.read_text(encoding="utf-8"))
+            for node in ast.walk(module):
+                if isinstance(node, ast.ClassDef) and node.name == class_name:
+                    fields |= {statement.target.id for statement in node.body
+                               if isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name)}
+    return fields
+
+
+@functools.cache
 def run_defaults() -> dict:
     """The default of each field of RUN_DATACLASSES that is written out as a literal, and COMPUTED_DEFAULTS."""
     defaults = dict(COMPUTED_DEFAULTS)
@@ -293,7 +309,8 @@ def recipe_with_flags(recipe_path: str, argv: list[str]) -> dict:
     """The recipe with the command line's `--key value` flags on top (read_recipe: old names read as their new ones);
     a flag of either checkpointing name replaces the recipe's other one, as in the run."""
     flags = parse_overrides(argv)
-    values = read_recipe(recipe_path, flags)
+    values = read_foreign_keys(read_recipe(recipe_path, flags), recipe_path, stream=sys.stderr)  # stdout: the plan
+    refuse_unknown_keys(values, run_fields(), recipe_path)
     flagged = [name for name in CHECKPOINTING_NAMES if name in flags]
     if len(flagged) == 1:
         values.pop(next(name for name in CHECKPOINTING_NAMES if name != flagged[0]), None)

@@ -437,6 +437,8 @@ def test_every_setting_the_planner_reads_is_the_value_the_run_trains_with_on_gpu
     ("model_name_or_path: meta-llama/Llama-3.2-1B\ngradient_checkpointing: true\nactivation_checkpointing: true\n",
      [], "both `gradient_checkpointing` and `activation_checkpointing` are set"),
     ("dtype: bfloat16\n", [], "`model_name_or_path` is not set"),
+    ("model_name_or_path: meta-llama/Llama-3.2-1B\nuse_peft: true\nlora_rr: 8\nlearnig_rate: 1e-4\n", [],
+     "unknown keys `lora_rr` (did you mean `lora_r`?), `learnig_rate` (did you mean `learning_rate`?)"),
 ])
 def test_finetune_plan_says_a_recipe_mistake_in_one_error_line(tmp_path, recipe_text, flags, said):
     path = tmp_path / "recipe.yaml"
