@@ -27,14 +27,15 @@ WORDS = "red blue green cat dog tree hat sun moon star fish bird".split()
 
 
 def write_chat_rows(folder, count: int = 2 * STEPS + 8) -> None:
-    """Chat rows of 30 lengths (the tiny tokenizers spend about four tokens a word), nearly all longer than half of
-    max_length, so that a packing bin holds about one row and batches of two rows take many lengths."""
+    """Chat rows of 30 lengths (the tiny tokenizers spend about two tokens a word, plus ~40 for the template's
+    header, whose date changes its length), all longer than half of max_length and shorter than it, so that a
+    packing bin holds one row and batches of two rows take many lengths whatever the date."""
     rng = random.Random(0)
     folder.mkdir()
     for split, rows in (("train", count), ("test", 4)):
         with open(folder / f"{split}.jsonl", "w") as out:
             for index in range(rows):
-                answer = " ".join(rng.choice(WORDS) for _ in range(2 + index % 30))
+                answer = " ".join(rng.choice(WORDS) for _ in range(50 + index % 30))
                 question = " ".join(rng.choice(WORDS) for _ in range(3))
                 out.write(json.dumps({"messages": [{"role": "user", "content": question},
                                                    {"role": "assistant", "content": answer}]}) + "\n")
