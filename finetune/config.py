@@ -25,6 +25,7 @@ from finetune.config_files import (
     FSDP_V1_REFUSAL,
     RENAMED_KEYS,
     accelerate_config_file,
+    blocked_folder,
     read_deepspeed_config,
     read_foreign_keys,
     read_recipe,
@@ -662,12 +663,12 @@ def check_output_dir(run: RunConfig) -> None:
     output_dir = Path(run.training.output_dir)
     if output_dir.exists() and not output_dir.is_dir():
         raise UserError(f"{output_dir}: output_dir is a file, not a folder; pick a new or empty folder for --output_dir.")
-    existing = next(folder for folder in (output_dir.absolute(), *output_dir.absolute().parents) if folder.exists())
-    if not existing.is_dir():
-        raise UserError(f"{output_dir}: output_dir cannot be created because {existing} is a file; pick another "
+    blocked = blocked_folder(output_dir)
+    if blocked and blocked[1] == "file":
+        raise UserError(f"{output_dir}: output_dir cannot be created because {blocked[0]} is a file; pick another "
                         f"--output_dir.")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise UserError(f"{output_dir}: output_dir cannot be written ({existing} is read-only or not yours); pick "
+    if blocked:
+        raise UserError(f"{output_dir}: output_dir cannot be written ({blocked[0]} is read-only or not yours); pick "
                         f"a folder you can write to for --output_dir.")
     if not output_dir.exists() or not any(output_dir.iterdir()):
         return

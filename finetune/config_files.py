@@ -167,6 +167,17 @@ def _launcher_command_line() -> list[str] | None:
         return None
 
 
+def blocked_folder(folder: Path) -> tuple[Path, str] | None:
+    """Why `folder` cannot be created and written where it is, as (the nearest existing path, "file" or
+    "unwritable"), or None when it can."""
+    existing = next(path for path in (folder.absolute(), *folder.absolute().parents) if path.exists())
+    if not existing.is_dir():
+        return existing, "file"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return existing, "unwritable"
+    return None
+
+
 def accelerate_config_file() -> str:
     """The --config_file `accelerate launch` was given, read from the launcher's command line, for error messages."""
     launcher_args = _launcher_command_line()

@@ -4,13 +4,13 @@ Everything that can be refused is refused before the base model loads (the outpu
 the merged model is written aside and renamed into place, so a failed write leaves no half-written folder.
 """
 
-import os
 import shutil
 from pathlib import Path
 
 from transformers import AutoModelForCausalLM, AutoTokenizer, Mxfp4Config
 
 from finetune import checkpoints, mxfp4
+from finetune.config_files import blocked_folder
 from finetune.errors import UserError
 from finetune.model import ADAPTER_CONFIG, check_model, load_adapter
 
@@ -46,12 +46,11 @@ def check_output_folder(output: Path) -> None:
         raise UserError(f"{output}: a file, not a folder; pass a new or empty folder to write the merged model to.")
     if output.is_dir() and any(output.iterdir()):
         raise UserError(f"{output}: already holds files; pass an empty or new folder to write the merged model.")
-    parent = output.absolute().parent  # the merged model is written beside the folder, then renamed to it
-    existing = next(folder for folder in (parent, *parent.parents) if folder.exists())
-    if not existing.is_dir():
-        raise UserError(f"{output}: cannot be created because {existing} is a file; pick another output folder.")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise UserError(f"{output}: cannot be written ({existing} is read-only or not yours); pick an output folder "
+    blocked = blocked_folder(output.absolute().parent)  # the merged model is written beside it, then renamed
+    if blocked and blocked[1] == "file":
+        raise UserError(f"{output}: cannot be created because {blocked[0]} is a file; pick another output folder.")
+    if blocked:
+        raise UserError(f"{output}: cannot be written ({blocked[0]} is read-only or not yours); pick an output folder "
                         f"you can write to.")
 
 
