@@ -6,8 +6,9 @@ the training processes. Some of them this toolkit does not run: context, sequenc
 (`parallelism_config`), accelerate's own FP8, distributed types other than NO, MULTI_GPU, FSDP and DEEPSPEED, and
 several processes under a launcher that starts one. Others the recipe overrides or contradicts: mixed precision,
 DeepSpeed's accumulation and clipping, dynamo compilation, FSDP's activation checkpointing. The request, a file's
-fields with the launcher's flags on top, is read here from the command line: by `finetune launch` from the command it
-is about to run, and by each training process from its launcher's. `check_request` needs only the request;
+fields with the launcher's flags on top, is read here from the launcher's arguments: by `finetune launch` from the
+command it is about to run, which it passes on to the training processes; under a plain `accelerate launch`, from
+that launcher's command line (config_files.accelerate_launch_arguments). `check_request` needs only the request;
 `check_run` also compares it with the parsed recipe.
 """
 

@@ -159,14 +159,6 @@ def parse_overrides(argv: list[str]) -> dict:
     return out
 
 
-def _launcher_command_line() -> list[str] | None:
-    """The command line of the process that started this one (`accelerate launch ...`, whose torchrun runs in it)."""
-    try:
-        return Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode().split("\0")[:-1]
-    except OSError:
-        return None
-
-
 def blocked_folder(folder: Path) -> tuple[Path, str] | None:
     """Why `folder` cannot be created and written where it is, as (the nearest existing path, "file" or
     "unwritable"), or None when it can."""
@@ -178,27 +170,46 @@ def blocked_folder(folder: Path) -> tuple[Path, str] | None:
     return None
 
 
-def accelerate_config_file() -> str:
-    """The --config_file `accelerate launch` was given, read from the launcher's command line, for error messages."""
-    launcher_args = _launcher_command_line()
-    if launcher_args is None:
-        return "the accelerate config file"
-    for index, arg in enumerate(launcher_args[:-1]):
-        if arg == "--config_file":
-            return launcher_args[index + 1]
-        if arg.startswith("--config_file="):
-            return arg.split("=", 1)[1]
-    return "the default accelerate config (`accelerate config`)"
+# The arguments `finetune launch` gave `accelerate launch`, passed on to the training processes as a JSON list
+LAUNCH_ARGUMENTS = "FINETUNE_LAUNCH_ARGUMENTS"
 
 
-def accelerate_launch_arguments() -> list[str] | None:
-    """What this process's launcher was given after `accelerate launch`, or None when no accelerate launch started it."""
-    command = _launcher_command_line() or []
+def arguments_after_accelerate_launch(command: list[str]) -> list[str] | None:
+    """What `command` gives `accelerate launch` (its flags, the script and the script's flags), or None when it is not
+    an `accelerate launch` command."""
     for index, arg in enumerate(command):
         after_accelerate = index > 0 and Path(command[index - 1]).name.startswith("accelerate")
         if arg == "accelerate.commands.launch" or arg == "launch" and after_accelerate:
             return command[index + 1:]
     return None
+
+
+def accelerate_launch_arguments() -> list[str] | None:
+    """What the `accelerate launch` that started this training process was given, or None when none did. `finetune
+    launch` passes it in the environment. A plain `accelerate launch` exports what its config file and flags set, but
+    not the file's name nor fields it has no variable for (a one-process launch exports no `parallelism_config`), so
+    there it is read from that launcher's command line, the one record of it."""
+    passed = os.environ.get(LAUNCH_ARGUMENTS)
+    if passed is not None:
+        return json.loads(passed)
+    try:
+        launcher = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode().split("\0")[:-1]
+    except OSError:
+        return None
+    return arguments_after_accelerate_launch(launcher)
+
+
+def accelerate_config_file() -> str:
+    """The --config_file `accelerate launch` was given, for error messages."""
+    arguments = accelerate_launch_arguments()
+    if arguments is None:
+        return "the accelerate config file"
+    for index, arg in enumerate(arguments[:-1]):
+        if arg == "--config_file":
+            return arguments[index + 1]
+        if arg.startswith("--config_file="):
+            return arg.split("=", 1)[1]
+    return "the default accelerate config (`accelerate config`)"
 
 
 # accelerate refuses these fields of an accelerate config file beside a deepspeed_config_file, which holds them

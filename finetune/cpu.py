@@ -6,12 +6,11 @@ turned into a gloo process group (accelerate would otherwise start N independent
 """
 
 import contextlib
-import logging
 import os
 
 import torch
 
-logger = logging.getLogger(__name__)
+from finetune.errors import say
 
 # Kernels that exist only on CUDA, and the portable implementation that computes the same thing.
 CPU_ATTENTION = {"flex_attention": "eager", "flash_attention_2": "sdpa", "flash_attention_3": "sdpa", "kernels-community/vllm-flash-attn3": "eager"}
@@ -37,7 +36,7 @@ def cpu_overrides(values: dict) -> dict:
         overrides["optim"] = "adamw_torch"
     changed = {key: value for key, value in overrides.items() if key in values and values[key] != value}
     if changed:
-        logger.warning("No GPU: running on CPU with %s instead of the recipe's values.", changed)
+        say(f"No GPU: running on CPU with {changed} instead of the recipe's values.")
     return overrides
 
 

@@ -7,7 +7,6 @@ content that is not text), and counts the rows whose whole answer TRL's truncati
 """
 
 import json
-import logging
 import math
 from functools import partial
 from pathlib import Path
@@ -18,9 +17,7 @@ from trl import ScriptArguments, SFTConfig
 from trl.data_utils import is_conversational
 
 from finetune import data_formats, families
-from finetune.errors import UserError
-
-logger = logging.getLogger(__name__)
+from finetune.errors import UserError, say
 
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 ROLES = {"system", "developer", "user", "assistant", "tool"}
@@ -127,10 +124,8 @@ def load_datasets(script: ScriptArguments, training: SFTConfig, length_tokenizer
     if training.eval_strategy == "no":
         evaluation = None
     elif evaluation is None:
-        logger.warning(
-            "%s has no `%s` split: evaluating on %.0f%% of the train split.",
-            name, script.dataset_test_split, 100 * EVAL_FRACTION_WHEN_NO_TEST_SPLIT,
-        )
+        say(f"{name} has no `{script.dataset_test_split}` split: evaluating on "
+            f"{100 * EVAL_FRACTION_WHEN_NO_TEST_SPLIT:.0f}% of the train split.")
         parts = train.train_test_split(test_size=EVAL_FRACTION_WHEN_NO_TEST_SPLIT, seed=training.seed)
         train, evaluation = parts["train"], parts["test"]
     if record is not None and not mixture:
@@ -290,11 +285,9 @@ def check_answers_survive_truncation(dataset: Dataset, source: str, tokenizer, m
             f"shorten the prompts."
         )
     if cut:
-        logger.warning(
-            "%s: %d of %d rows lose their whole answer to truncation at max_length %d (rows %s): their prompt alone "
-            "fills it, so they teach no answer; raise max_length or shorten those rows.",
-            source, len(cut), len(dataset), max_length, _row_list(cut),
-        )
+        say(f"{source}: {len(cut)} of {len(dataset)} rows lose their whole answer to truncation at max_length "
+            f"{max_length} (rows {_row_list(cut)}): their prompt alone fills it, so they teach no answer; raise "
+            f"max_length or shorten those rows.")
 
 
 def _prompt_text(row: dict, tokenizer) -> tuple[str, bool]:
@@ -479,16 +472,12 @@ def check_reasoning_traces(dataset: Dataset, source: str, tokenizer, max_length:
         if max_length is not None and len(tokenizer(text, add_special_tokens=False)["input_ids"]) > max_length:
             cut.append(index + 1)
     if dropped:
-        logger.warning(
-            "%s: rows %s have reasoning traces on earlier assistant turns, which the chat template drops (only the "
-            "last assistant turn's trace is rendered and trained); split such conversations to train those traces.",
-            source, _row_list(dropped),
-        )
+        say(f"{source}: rows {_row_list(dropped)} have reasoning traces on earlier assistant turns, which the chat "
+            f"template drops (only the last assistant turn's trace is rendered and trained); split such conversations "
+            f"to train those traces.")
     if cut:
-        logger.warning(
-            "%s: rows %s are longer than max_length %d: TRL cuts their end, the last turn's reasoning trace and "
-            "answer; raise max_length or set truncation: false to stop on them.", source, _row_list(cut), max_length,
-        )
+        say(f"{source}: rows {_row_list(cut)} are longer than max_length {max_length}: TRL cuts their end, the last "
+            f"turn's reasoning trace and answer; raise max_length or set truncation: false to stop on them.")
 
 
 def _row_list(rows: list[int], shown: int = 10) -> str:

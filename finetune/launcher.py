@@ -14,6 +14,7 @@ A run a SIGTERM stopped exits 143 (see `run_and_report`).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import signal
@@ -28,6 +29,8 @@ import yaml
 from finetune import outcome
 from finetune.config_files import (
     FSDP_V1_REFUSAL,
+    LAUNCH_ARGUMENTS,
+    arguments_after_accelerate_launch,
     local_or_shipped,
     read_deepspeed_config,
     read_yaml_mapping,
@@ -177,13 +180,18 @@ ERROR_PREFIX = "error: "  # how finetune.errors.report prints a user mistake: wh
 def run_and_report(command: list[str]) -> tuple[int, str | None, str | None]:
     """Run `accelerate launch ...`, its output shown as it comes; once a process has printed a user mistake's one
     sentence, what the launcher prints after it (the other ranks stopping, torch's failure report) is held back.
-    Returns the exit code, the user mistake's sentence, and the folder the run saved to, as the training processes
-    wrote them (finetune/outcome.py). The exit code of a run a SIGTERM stopped is 143, whatever the launcher made of
+    The training processes are given the launcher's arguments in the environment (config_files.LAUNCH_ARGUMENTS), and
+    write back the user mistake's sentence and the folder the run saved to (finetune/outcome.py). Returns those with
+    the exit code. The exit code of a run a SIGTERM stopped is 143, whatever the launcher made of
     it: accelerate 1.15 exits 1 after its torchrun re-raises the signal, and accelerate 1.15-1.16 exit 1 when only the
     training processes were signalled."""
     with tempfile.TemporaryDirectory(prefix="finetune-outcome-") as folder:
         outcome_file = Path(folder) / "outcome.json"
-        code = _run_showing_output(command, {**os.environ, outcome.OUTCOME_FILE: str(outcome_file)})
+        environment = {**os.environ, outcome.OUTCOME_FILE: str(outcome_file)}
+        arguments = arguments_after_accelerate_launch(command)
+        if arguments is not None:  # the training processes check them against the recipe (accelerate_checks.py)
+            environment[LAUNCH_ARGUMENTS] = json.dumps(arguments)
+        code = _run_showing_output(command, environment)
         ended = outcome.read(outcome_file)
     if code != 0 and ended.get("status") == outcome.PREEMPTED:
         from finetune.checkpoints import PREEMPTED_EXIT_CODE  # transformers: only once a run has ended

@@ -4,7 +4,6 @@ check every command makes of a model before loading it (`check_model`).
 """
 
 import json
-import logging
 import re
 import warnings
 from pathlib import Path
@@ -12,16 +11,13 @@ from pathlib import Path
 import torch
 from accelerate import PartialState
 from peft import LoraConfig
-from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, Mxfp4Config,
-                          PreTrainedModel)
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, Mxfp4Config, PreTrainedModel
 from trl import get_peft_config, get_quantization_config
 
 from finetune import attention, checkpoints, cpu, families, mxfp4, tiny
 from finetune.config import RUN_RECORD, RunConfig
 from finetune.config_files import requested_strategy
 from finetune.errors import UserError
-
-logger = logging.getLogger(__name__)
 
 # peft's PeftModel (peft_model.py) and TRL read the attribute transformers 5.2x renamed; the warning is theirs to fix
 warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)

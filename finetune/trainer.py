@@ -3,7 +3,6 @@ resume from the output folder, a generation config that stops, a record of the r
 """
 
 import json
-import logging
 import os
 from pathlib import Path
 
@@ -17,8 +16,6 @@ from finetune import model as model_loading
 from finetune.config import RUN_RECORD, RunConfig, run_identity, training_length
 from finetune.config_files import accelerate_config_file, requested_strategy
 from finetune.errors import UserError, say
-
-logger = logging.getLogger(__name__)
 
 LOSS_PLOT = "loss.png"
 DATA_RECORD = "finetune_data.json"  # how many rows came from each dataset, beside the run record

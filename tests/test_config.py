@@ -64,17 +64,16 @@ def test_qlora_under_a_sharding_config_is_refused_by_the_real_launcher(tmp_path)
     assert "Loading weights" not in result.stderr + result.stdout
 
 
-def test_on_cpu_the_recipe_compiles_nothing_unless_the_command_line_asks_and_the_warning_says_which(caplog):
+def test_on_cpu_the_recipe_compiles_nothing_unless_the_command_line_asks_and_the_warning_says_which(capsys):
     from finetune.config import parse_args
 
     recipe = str(ROOT / "recipes" / "gpt-oss-20b" / "lora.yaml")
-    with caplog.at_level("WARNING", logger="finetune.cpu"):
-        assert not parse_args(["--config", recipe, "--tiny"]).training.torch_compile
-    assert "'torch_compile': False" in caplog.text
-    caplog.clear()
-    with caplog.at_level("WARNING", logger="finetune.cpu"):
-        assert parse_args(["--config", recipe, "--tiny", "--torch_compile", "true"]).training.torch_compile
-    assert "No GPU" in caplog.text and "torch_compile" not in caplog.text
+    capsys.readouterr()
+    assert not parse_args(["--config", recipe, "--tiny"]).training.torch_compile
+    assert "'torch_compile': False" in capsys.readouterr().out
+    assert parse_args(["--config", recipe, "--tiny", "--torch_compile", "true"]).training.torch_compile
+    said = capsys.readouterr().out
+    assert "[finetune] No GPU" in said and "torch_compile" not in said
 
 
 def test_lora_target_parameters_none_on_the_command_line_turns_expert_lora_off():
@@ -86,7 +85,7 @@ def test_lora_target_parameters_none_on_the_command_line_turns_expert_lora_off()
     assert parse_args(["--config", recipe, "--tiny", "--lora_target_parameters", "none"]).model.lora_target_parameters is None
 
 
-def test_on_cpu_a_recipe_s_activation_offloading_is_off_and_the_flag_is_refused(tmp_path, caplog):
+def test_on_cpu_a_recipe_s_activation_offloading_is_off_and_the_flag_is_refused(tmp_path, capsys):
     import pytest
 
     from finetune.config import check, parse_args
@@ -95,9 +94,9 @@ def test_on_cpu_a_recipe_s_activation_offloading_is_off_and_the_flag_is_refused(
     recipe = tmp_path / "offloaded.yaml"
     recipe.write_text((ROOT / "recipes/llama-3.2-3b/lora.yaml").read_text().replace("activation_offloading: false",
                                                                                    "activation_offloading: true"))
-    with caplog.at_level("WARNING", logger="finetune.cpu"):
-        run = parse_args(["--config", str(recipe), "--tiny", "--output_dir", str(tmp_path / "out")])
-    assert not run.training.activation_offloading and "'activation_offloading': False" in caplog.text
+    capsys.readouterr()
+    run = parse_args(["--config", str(recipe), "--tiny", "--output_dir", str(tmp_path / "out")])
+    assert not run.training.activation_offloading and "'activation_offloading': False" in capsys.readouterr().out
     check(run)
     flagged = parse_args(["--config", str(recipe), "--tiny", "--output_dir", str(tmp_path / "out"),
                           "--activation_offloading", "true"])

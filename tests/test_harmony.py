@@ -4,7 +4,6 @@ refused or named before the model loads, and the recipe's `chat_template_kwargs`
 template in training rows and in generation."""
 
 import json
-import logging
 
 import pytest
 from datasets import Dataset
@@ -109,7 +108,7 @@ def test_recipe_chat_template_kwargs_give_way_to_a_rows_own():
     assert given[1]["chat_template_kwargs"] == {"reasoning_effort": "high", "model_identity": "You are tiny."}
 
 
-def test_traces_the_template_drops_or_max_length_cuts_are_named(caplog):
+def test_traces_the_template_drops_or_max_length_cuts_are_named(capsys):
     from finetune.tiny import build_tiny_tokenizer
 
     tokenizer = build_tiny_tokenizer("gpt-oss")
@@ -120,14 +119,13 @@ def test_traces_the_template_drops_or_max_length_cuts_are_named(caplog):
         {"role": "assistant", "content": "4", "thinking": "Two plus two is four."},
     ]
     rows = Dataset.from_list([{"messages": harmony_rows()[0]["messages"]}, {"messages": earlier_trace}])
-    with caplog.at_level(logging.WARNING, logger="finetune.data"):
-        data.check_reasoning_traces(rows, "rows.jsonl", tokenizer, max_length=2048)
-    assert "rows.jsonl: rows 2 have reasoning traces on earlier assistant turns, which the chat template drops" in caplog.text
-    assert "longer than max_length" not in caplog.text
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="finetune.data"):
-        data.check_reasoning_traces(rows, "rows.jsonl", tokenizer, max_length=100)
-    assert "rows.jsonl: rows 1, 2 are longer than max_length 100: TRL cuts their end" in caplog.text
+    capsys.readouterr()
+    data.check_reasoning_traces(rows, "rows.jsonl", tokenizer, max_length=2048)
+    said = capsys.readouterr().out
+    assert "rows.jsonl: rows 2 have reasoning traces on earlier assistant turns, which the chat template drops" in said
+    assert "longer than max_length" not in said
+    data.check_reasoning_traces(rows, "rows.jsonl", tokenizer, max_length=100)
+    assert "rows.jsonl: rows 1, 2 are longer than max_length 100: TRL cuts their end" in capsys.readouterr().out
 
 
 def refused(tmp_path, capfd, monkeypatch, *args) -> str:

@@ -153,18 +153,18 @@ def test_a_malformed_handbook_mixture_is_refused_before_anything_loads(mixture, 
         load(None, dataset_mixture=mixture)
 
 
-def test_rows_whose_answer_truncation_cuts_away_are_counted_before_loading(tmp_path, caplog):
+def test_rows_whose_answer_truncation_cuts_away_are_counted_before_loading(tmp_path, capsys):
     rows = rows_file(tmp_path, [{"messages": good_turns()}, LONG_PROMPT, {"messages": good_turns()}, LONG_PROMPT])
     tokenizer = build_tiny_tokenizer("llama")
+    capsys.readouterr()
     train, _ = load(rows, tokenizer=tokenizer, max_length=64)
     assert len(train) == 4
-    warnings = [record.getMessage() for record in caplog.records if "lose their whole answer" in record.getMessage()]
-    assert warnings == [(f"{rows} [train]: 2 of 4 rows lose their whole answer to truncation at max_length 64 (rows "
-                         f"2, 4): their prompt alone fills it, so they teach no answer; raise max_length or shorten "
-                         f"those rows.")]
-    caplog.clear()
+    warnings = [line for line in capsys.readouterr().out.splitlines() if "lose their whole answer" in line]
+    assert warnings == [(f"[finetune] {rows} [train]: 2 of 4 rows lose their whole answer to truncation at max_length "
+                         f"64 (rows 2, 4): their prompt alone fills it, so they teach no answer; raise max_length or "
+                         f"shorten those rows.")]
     load(rows, tokenizer=tokenizer, max_length=4096)
-    assert not [record for record in caplog.records if "lose their whole answer" in record.getMessage()]
+    assert "lose their whole answer" not in capsys.readouterr().out
 
 
 OASST_ROOT = json.loads((DATASETS / "OpenAssistant_oasst1.jsonl").read_text().splitlines()[0])

@@ -2,6 +2,7 @@
 one the planner chooses for the GPUs it sees. (Its refusals of broken accelerate config files are cases of the table
 in tests/test_bad_inputs.py.)"""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -110,3 +111,19 @@ def test_the_launcher_reads_how_the_run_ended_from_its_outcome_not_from_its_outp
     assert launcher.run_and_report(refused) == (2, "recipe.yaml: `lr: x` is no number; fix it.", None)
     assert launcher.run_and_report(crashed) == (1, None, None)
     assert "error: looks like a sentence" in capfd.readouterr().err
+
+
+def test_the_training_processes_get_the_launch_arguments_from_the_launcher_not_from_a_parent_command_line(tmp_path):
+    """The fake `accelerate` starts its training process through `sh`, whose command line says nothing of the launch:
+    what the process knows of it (the config file it names, the request it checks) came from `finetune launch`."""
+    training = ("import json; from finetune import config_files; "
+                "print(json.dumps([config_files.accelerate_launch_arguments(), config_files.accelerate_config_file()]))")
+    accelerate = tmp_path / "accelerate"
+    accelerate.write_text(f"#!/bin/sh\nsh -c '{sys.executable} -c \"{training}\"'\n")
+    accelerate.chmod(0o755)
+    command = [str(accelerate), "launch", "--config_file", "mine.yaml", "--num_processes", "2", "sft.py", "--tiny"]
+    printed = subprocess.run([sys.executable, "-c", f"from finetune import launcher; launcher.run_and_report({command!r})"],
+                             capture_output=True, text=True, timeout=60, cwd=ROOT)
+    arguments, config_file = json.loads(printed.stdout.strip().splitlines()[-1])
+    assert arguments == ["--config_file", "mine.yaml", "--num_processes", "2", "sft.py", "--tiny"], printed.stderr
+    assert config_file == "mine.yaml"
