@@ -168,6 +168,10 @@ class RunConfig:
     env: dict[str, str] = field(default_factory=dict)
     data_sources: dict = field(default_factory=dict)  # rows taken from each dataset, filled when the data loads
     data_fingerprint: str | None = None  # the training rows' count and hash (finetune/resume.py), once they load
+    # On a relaunch, found by check_output_dir: the settings the output folder's run record keeps, and the checkpoint
+    # this launch resumes from
+    recorded_settings: dict = field(default_factory=dict)
+    resumes_from: Path | None = None
 
 
 def _flag_error(message: str):
@@ -641,12 +645,6 @@ def check_resume_checkpoint(run: RunConfig) -> None:
         checkpoints.resume_point(requested, run.training.output_dir, announce=False)
 
 
-
-
-
-
-
-
 def run_identity(run: RunConfig) -> dict:
     """What makes two launches the same run, so that a relaunch resumes and a different run is refused."""
     return {
@@ -693,9 +691,10 @@ def check_output_dir(run: RunConfig) -> None:
     step = checkpoints.finished_step(output_dir, training_length(run.training))
     if step is not None:
         raise RunFinished(str(output_dir), step)
-    checkpoint = resume_checkpoint(run)
-    if checkpoint is not None and isinstance(recorded.get("settings"), dict):
-        resume.check_relaunch(run, recorded["settings"], checkpoint, output_dir)
+    run.resumes_from = resume_checkpoint(run)
+    run.recorded_settings = recorded.get("settings") if isinstance(recorded.get("settings"), dict) else {}
+    if run.resumes_from is not None and run.recorded_settings:
+        resume.check_relaunch(run, run.recorded_settings, run.resumes_from, output_dir)
 
 
 def resume_checkpoint(run: RunConfig) -> Path | None:
@@ -708,9 +707,7 @@ def resume_checkpoint(run: RunConfig) -> Path | None:
 
 def check_data_unchanged(run: RunConfig, train_set) -> None:
     """Once the rows load (before the model): a checkpoint resumes into the rows it was trained on."""
-    recorded = recorded_run(run.training.output_dir).get("settings") or {}
-    checkpoint = resume_checkpoint(run) if recorded else None
-    resume.check_data_unchanged(run, recorded, checkpoint, Path(run.training.output_dir), train_set)
+    resume.check_data_unchanged(run, run.recorded_settings, run.resumes_from, Path(run.training.output_dir), train_set)
 
 
 def recorded_run(output_dir: str | Path) -> dict:

@@ -153,6 +153,7 @@ def test_changed_training_rows_are_refused_once_they_load(tmp_path):
     record = json.loads((output_dir / RUN_RECORD).read_text())
     record["settings"]["data_fingerprint"] = run.data_fingerprint
     write(output_dir / RUN_RECORD, json.dumps(record))
+    run = relaunch(output_dir, "--dataset_name", str(data))  # the record is read once, by the relaunch's checks
     copy = write(tmp_path / "restaged" / "train.jsonl", data.read_text())  # the same rows elsewhere still match
     config.check_data_unchanged(run, rows_of(copy))
     write(data, "\n".join(rows[:39] + [rows[41]]) + "\n")
