@@ -23,7 +23,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from finetune.errors import FINISHED_PREFIX, RunFinished, UserError
+from finetune.errors import RunFinished, UserError, say_finished
 
 TRAINER_STATE = "trainer_state.json"
 
@@ -72,7 +72,7 @@ def train(config: str | os.PathLike | None = None, **overrides) -> TrainResult:
         try:
             run, trainer = sft.main(argv or None)
         except RunFinished as finished:
-            print(f"{FINISHED_PREFIX}{finished}", flush=True)
+            say_finished(finished)
             return result_of(finished.output_dir)
     return result_of(run.training.output_dir, trainer.state.log_history)
 

@@ -21,7 +21,7 @@ class RunFinished(Exception):
         self.output_dir = output_dir
 
 
-FINISHED_PREFIX = "[finetune] finished already: "
+FINISHED_PREFIX = "[finetune] finished already: "  # how say_finished's line starts
 
 
 def say(message: str, stream=None) -> None:
@@ -29,6 +29,10 @@ def say(message: str, stream=None) -> None:
     run, not one per process), flushed at once (launchers and notebooks interleave several processes' output)."""
     if os.environ.get("RANK", "0") == "0":
         print(f"[finetune] {message}", file=stream or sys.stdout, flush=True)
+
+
+def say_finished(finished: RunFinished) -> None:
+    say(f"{FINISHED_PREFIX.removeprefix('[finetune] ')}{finished}")
 
 
 def report(error: UserError) -> int:
@@ -49,5 +53,5 @@ def exit_on_user_error(main) -> None:
         sys.exit(report(error))
     except RunFinished as finished:
         outcome.record(outcome.FINISHED_ALREADY, output_dir=finished.output_dir)
-        print(f"{FINISHED_PREFIX}{finished}", flush=True)
+        say_finished(finished)
         sys.exit(0)
