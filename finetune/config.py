@@ -25,6 +25,7 @@ from finetune.config_files import (
     FSDP_V1_REFUSAL,
     RENAMED_KEYS,
     accelerate_config_file,
+    asked_deepspeed_file,
     blocked_folder,
     read_deepspeed_config,
     read_foreign_keys,
@@ -285,9 +286,8 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
                         f"`scripts/sft.py --help`.")
     if requested_strategy() == "fsdp" and os.environ.get("FSDP_VERSION", "1") != "2":
         raise UserError(f"{accelerate_config_file()}: {FSDP_V1_REFUSAL}")  # before the CPU shim builds FSDP1's plugin
-    deepspeed_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
-    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true" and deepspeed_file:
-        read_deepspeed_config(deepspeed_file)  # before TrainingArguments reads it and fails with a message of its own
+    if asked_deepspeed_file():
+        read_deepspeed_config(asked_deepspeed_file())  # before TrainingArguments reads it and fails with a message of its own
     try:
         with cpu.cpu_environment() if cpu.on_cpu() else contextlib.nullcontext():
             script, training, model, finetune = parser.parse_args_into_dataclasses(args=argv)
@@ -586,8 +586,8 @@ def check_deepspeed_agrees(run: RunConfig) -> None:
     """A DeepSpeed JSON that hard-codes what the recipe decides (batch size, accumulation, clipping, bf16/fp16, which
     transformers compares only once the model is loaded), or brings an optimizer or a schedule of its own: every
     contradiction at once, in one sentence naming both values."""
-    config_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
-    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true" or not config_file:
+    config_file = asked_deepspeed_file()
+    if not config_file:
         return
     deepspeed = read_deepspeed_config(config_file)
     training = run.training

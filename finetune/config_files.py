@@ -256,12 +256,27 @@ FSDP_V1_REFUSAL = (  # under both launchers
     "FSDP2's fields as that file has them.")
 
 
+# What `accelerate launch` asked for is read from the variables it exports to the training processes, as accelerate's
+# own state reads them (AcceleratorState), in these three functions only.
+def fsdp_asked_for() -> bool:
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+
+
+def deepspeed_asked_for() -> bool:
+    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+
+
+def asked_deepspeed_file() -> str | None:
+    """The DeepSpeed JSON the launch passes on, when it asks for DeepSpeed with one."""
+    return (os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or None) if deepspeed_asked_for() else None
+
+
 def requested_strategy() -> str:
-    """What the accelerate config file asked for, from the environment `accelerate launch` sets."""
-    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+    """What the accelerate config file asked for: fsdp, zero1-3, ddp or single."""
+    if fsdp_asked_for():
         return "fsdp"
-    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
-        config_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    if deepspeed_asked_for():
+        config_file = asked_deepspeed_file()
         stage = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")
         if config_file:
             stage = str(read_deepspeed_config(config_file).get("zero_optimization", {}).get("stage", stage))
@@ -301,8 +316,11 @@ FOREIGN_KEY_HINTS = {
 def read_foreign_keys(recipe: dict, recipe_path: str, stream=None) -> dict:
     """alignment-handbook's and TRL's recipe keys that mean a setting of finetune's under another shape, in that
     shape; and those that transformers 5 and TRL 1.x no longer read, left out where that changes nothing. One line
-    says what was read how. The other keys of those recipes are TRL's own (RENAMED_KEYS: read_recipe)."""
-    recipe, notes = dict(recipe), []
+    says what was read how. The other keys of those recipes are TRL's own (RENAMED_KEYS: read_recipe). An axolotl
+    recipe is read in finetune's names first (finetune/axolotl_recipes.py)."""
+    from finetune.axolotl_recipes import read_axolotl_recipe
+
+    recipe, notes = read_axolotl_recipe(recipe, recipe_path)
     for key, why in DROPPED_KEYS.items():
         if key in recipe:
             del recipe[key]

@@ -10,6 +10,7 @@ import os
 
 import torch
 
+from finetune.config_files import fsdp_asked_for
 from finetune.errors import say
 
 # Kernels that exist only on CUDA, and the portable implementation that computes the same thing.
@@ -81,9 +82,5 @@ def prepare_cpu_process_group() -> None:
 FSDP_SHIM_ENV = "FINETUNE_CPU_FSDP"
 
 
-def fsdp_requested() -> bool:
-    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
-
-
 def fsdp_shim_enabled() -> bool:
-    return fsdp_requested() and int(os.environ.get("WORLD_SIZE", "1")) > 1 and os.environ.get(FSDP_SHIM_ENV, "1") != "0"
+    return fsdp_asked_for() and int(os.environ.get("WORLD_SIZE", "1")) > 1 and os.environ.get(FSDP_SHIM_ENV, "1") != "0"
