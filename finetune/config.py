@@ -71,16 +71,19 @@ DEFAULT_ARGS = [
 class FinetuneArguments:
     tiny: bool = field(
         default=False,
-        metadata={"help": "Swap the recipe's model for a tiny random model of the same family (tests, CPU smoke runs)."},
+        metadata={"help": "Swap the recipe's model for a tiny random model of the same family (tests, CPU smoke "
+                          "runs)."},
     )
     tiny_width: int = field(
         default=TINY_WIDTH,
         metadata={"help": "Hidden size of the --tiny model (its MLP and heads scale with it): 64 keeps the tests fast; "
-                          "the default run uses 128, wide enough to learn the sample data's word games from any start."},
+                          "the default run uses 128, wide enough to learn the sample data's word games from any "
+                          "start."},
     )
     experts_implementation: str | None = field(
         default=None,
-        metadata={"help": "Mixture-of-experts kernel passed to from_pretrained: 'eager', 'batched_mm' or 'grouped_mm'."},
+        metadata={"help": "Mixture-of-experts kernel passed to from_pretrained: 'eager', 'batched_mm' or "
+                          "'grouped_mm'."},
     )
     expert_lora_kernel: Literal["grouped", "peft"] = field(
         default="grouped",
@@ -94,12 +97,14 @@ class FinetuneArguments:
     columns: dict | str | None = field(
         default=None,
         metadata={"help": "Your column names mapped onto a format finetune reads, e.g. {dialog: messages} or "
-                          "{question: prompt, answer: completion}; JSON on the command line."},
+                          "{question: prompt, answer: completion}, or a list of the columns to keep; JSON on the "
+                          "command line."},
     )
     dataset_mixture: dict | str | None = field(
         default=None,
         metadata={"help": "Several sources mixed into one training set: {datasets: [{path, split, test_split, "
-                          "columns, fraction}, ...], seed, test_split_size}; replaces dataset_name."},
+                          "columns, fraction}, ...], seed, test_split_size}, or alignment-handbook's entries {id, "
+                          "config, split, columns, weight}; replaces dataset_name."},
     )
     eval_samples_before_after: int = field(
         default=16,
@@ -153,7 +158,8 @@ class FinetuneArguments:
             try:
                 self.chat_template_kwargs = json.loads(self.chat_template_kwargs)
             except json.JSONDecodeError as error:
-                raise ValueError(f"`chat_template_kwargs` is not valid JSON ({error.msg}); give a JSON object") from None
+                raise ValueError(f"`chat_template_kwargs` is not valid JSON ({error.msg}); give a JSON "
+                                 f"object") from None
         if self.chat_template_kwargs is not None and not isinstance(self.chat_template_kwargs, dict):
             raise ValueError("`chat_template_kwargs` must be a mapping such as {reasoning_effort: high}")
 
@@ -287,12 +293,13 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
     if requested_strategy() == "fsdp" and os.environ.get("FSDP_VERSION", "1") != "2":
         raise UserError(f"{accelerate_config_file()}: {FSDP_V1_REFUSAL}")  # before the CPU shim builds FSDP1's plugin
     if asked_deepspeed_file():
-        read_deepspeed_config(asked_deepspeed_file())  # before TrainingArguments reads it and fails with a message of its own
+        read_deepspeed_config(asked_deepspeed_file())  # before TrainingArguments reads it and fails in its own words
     try:
         with cpu.cpu_environment() if cpu.on_cpu() else contextlib.nullcontext():
             script, training, model, finetune = parser.parse_args_into_dataclasses(args=argv)
     except SystemExit:
-        raise UserError("command line: a flag has a missing or invalid value; see the message above for which.") from None
+        raise UserError("command line: a flag has a missing or invalid value; see the message above for "
+                        "which.") from None
     except ValueError as error:
         source = recipe_path or "command line"
         raise UserError(f"{source}: {_one_sentence(error)}") from None
@@ -428,7 +435,8 @@ def check(run: RunConfig) -> None:
     if not run.finetune.tiny and name.startswith((".", "/", "~")) and not Path(name).expanduser().is_dir():
         raise UserError(f"{name}: model folder not found; fix --model_name_or_path (a hub id or a local folder).")
     if model.load_in_4bit and not model.use_peft:
-        raise UserError(f"{source}: `load_in_4bit: true` (QLoRA) trains 4-bit weights only through LoRA; add `use_peft: true`.")
+        raise UserError(f"{source}: `load_in_4bit: true` (QLoRA) trains 4-bit weights only through LoRA; add "
+                        f"`use_peft: true`.")
     lora_keys = sorted(key for key in run.explicit_keys if key.startswith("lora_") or key in ("use_rslora", "use_dora"))
     if lora_keys and not model.use_peft:
         raise UserError(
@@ -436,8 +444,8 @@ def check(run: RunConfig) -> None:
             f"add `use_peft: true` or drop the LoRA settings."
         )
     if not 0 < run.finetune.activation_memory_budget <= 1:
-        raise UserError(f"{source}: `activation_memory_budget: {run.finetune.activation_memory_budget}` is the fraction "
-                        f"of a compiled layer's activations it may keep; give a value above 0 and at most 1.")
+        raise UserError(f"{source}: `activation_memory_budget: {run.finetune.activation_memory_budget}` is the "
+                        f"fraction of a compiled layer's activations it may keep; give a value above 0 and at most 1.")
     if run.training.activation_offloading and cpu.on_cpu():  # a recipe's value is already off (cpu.cpu_overrides)
         raise UserError("command line: `--activation_offloading true` moves activations out of GPU memory and this "
                         "machine has no GPU; drop the flag here.")
@@ -660,7 +668,8 @@ def check_output_dir(run: RunConfig) -> None:
     """Never write over another run's files: an output folder is either empty, ours to resume, or refused."""
     output_dir = Path(run.training.output_dir)
     if output_dir.exists() and not output_dir.is_dir():
-        raise UserError(f"{output_dir}: output_dir is a file, not a folder; pick a new or empty folder for --output_dir.")
+        raise UserError(f"{output_dir}: output_dir is a file, not a folder; pick a new or empty folder for "
+                        f"--output_dir.")
     blocked = blocked_folder(output_dir)
     if blocked and blocked[1] == "file":
         raise UserError(f"{output_dir}: output_dir cannot be created because {blocked[0]} is a file; pick another "
@@ -681,7 +690,8 @@ def check_output_dir(run: RunConfig) -> None:
         say(f"{record_file} is unreadable; taking {output_dir} as this run's folder and writing it "
               f"again.")
         recorded = run_identity(run)
-    differing = [(key, recorded.get(key), value) for key, value in run_identity(run).items() if recorded.get(key) != value]
+    differing = [(key, recorded.get(key), value) for key, value in run_identity(run).items()
+                 if recorded.get(key) != value]
     if differing:
         changes = ", ".join(f"{key} was {old!r}, now {new!r}" for key, old, new in differing)
         raise UserError(

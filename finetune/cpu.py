@@ -14,7 +14,8 @@ from finetune.config_files import fsdp_asked_for
 from finetune.errors import say
 
 # Kernels that exist only on CUDA, and the portable implementation that computes the same thing.
-CPU_ATTENTION = {"flex_attention": "eager", "flash_attention_2": "sdpa", "flash_attention_3": "sdpa", "kernels-community/vllm-flash-attn3": "eager"}
+CPU_ATTENTION = {"flex_attention": "eager", "flash_attention_2": "sdpa", "flash_attention_3": "sdpa",
+                 "kernels-community/vllm-flash-attn3": "eager"}
 CPU_EXPERTS = {"grouped_mm": "eager", "batched_mm": "eager"}
 
 

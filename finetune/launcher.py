@@ -1,7 +1,7 @@
 """`finetune launch`: check the accelerate config file, or let the planner choose one for the GPUs this machine has,
 then hand over to `accelerate launch ... scripts/sft.py` with it.
 
-    finetune launch [--config_file accelerate_configs/X.yaml] [--num_processes N ...] --config recipes/M/METHOD.yaml [flags]
+    finetune launch [--config_file accelerate_configs/X.yaml] [--num_processes N ...] --config RECIPE [flags]
 
 `accelerate launch` reads its config file before any of our code runs, so a typo there (broken YAML, an unknown
 `distributed_type`, a misspelled key, a missing DeepSpeed JSON) ends in accelerate's own traceback. Here the same file
@@ -87,8 +87,8 @@ def _with_deepspeed_file_found(config_file: str, values: dict) -> str:
     if not relative or local_or_shipped(relative) == relative:
         return config_file
     copy = Path(tempfile.mkdtemp(prefix="finetune-launch-")) / Path(config_file).name
-    copy.write_text(yaml.safe_dump({**values, "deepspeed_config": {**deepspeed,
-                                                                    "deepspeed_config_file": local_or_shipped(relative)}}))
+    found = {**deepspeed, "deepspeed_config_file": local_or_shipped(relative)}
+    copy.write_text(yaml.safe_dump({**values, "deepspeed_config": found}))
     return str(copy)
 
 
@@ -144,7 +144,8 @@ def accelerate_command(argv: list[str]) -> list[str]:
         launcher.config_file, processes = planned_config(sft_args, int(launcher.num_machines or 1))
         launcher.num_processes = launcher.num_processes or (processes if launcher.config_file else None)
     accelerate = Path(sys.executable).with_name("accelerate")
-    command = [str(accelerate), "launch"] if accelerate.is_file() else [sys.executable, "-m", "accelerate.commands.launch"]
+    command = [str(accelerate), "launch"] if accelerate.is_file() else [sys.executable, "-m",
+                                                                         "accelerate.commands.launch"]
     arguments = ["--quiet"]  # a failed run ends with its own error, not the launcher's traceback repeating it
     for flag in LAUNCHER_FLAGS:
         if getattr(launcher, flag) is not None:
