@@ -8,6 +8,7 @@ import argparse
 import contextlib
 import difflib
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -300,6 +301,9 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
     except SystemExit:
         raise UserError("command line: a flag has a missing or invalid value; see the message above for "
                         "which.") from None
+    except json.JSONDecodeError as error:  # a mapping field's JSON, read by the training arguments
+        raise UserError(f"{recipe_path or 'command line'}: {_field_with_bad_json(argv, recipe)} is not valid JSON "
+                        f"({error.msg}); write it as a JSON object, e.g. '{{\"key\": 1}}'.") from None
     except ValueError as error:
         source = recipe_path or "command line"
         raise UserError(f"{source}: {_one_sentence(error)}") from None
@@ -420,6 +424,25 @@ def _known_dests(parser: TrlParser) -> set[str]:
     return {option[2:] for action in actions for option in action.option_strings if option.startswith("--")}
 
 
+# The training arguments' mapping fields that take a JSON object only (the others also take a file's path)
+MAPPING_FIELDS = ("lr_scheduler_kwargs", "gradient_checkpointing_kwargs", "activation_checkpointing_kwargs",
+                  "model_init_kwargs", "dataset_kwargs")
+
+
+def _field_with_bad_json(argv: list[str], recipe: dict) -> str:
+    """Which flag or recipe key holds the JSON the training arguments could not read."""
+    flags = dict(itertools.pairwise(argv))
+    flags |= dict(arg.split("=", 1) for arg in argv if arg.startswith("--") and "=" in arg)
+    for name in MAPPING_FIELDS + ("accelerator_config", "fsdp_config", "deepspeed"):
+        for written, value in ((f"--{name}", flags.get(f"--{name}")), (f"`{name}`", recipe.get(name))):
+            if isinstance(value, str) and value.startswith("{"):
+                try:
+                    json.loads(value)
+                except json.JSONDecodeError:
+                    return f"{written} {value}"
+    return "a mapping field"
+
+
 def _one_sentence(error: Exception) -> str:
     text = " ".join(str(error).split())
     return text if text.endswith(".") else text + "."
@@ -464,6 +487,7 @@ def check(run: RunConfig) -> None:
             f"{model.model_name_or_path} does not have; remove it or use lora_target_modules."
         )
     check_numbers(run, source)
+    check_attention(model, source)
     tracking.check_installed(run.training, source)
     check_report_to(run.training, source)
     check_hub_push(run.training, source)
@@ -550,6 +574,15 @@ def check_numbers(run: RunConfig, source: str) -> None:
     if training.save_strategy == "steps" and training.save_steps <= 0:
         refuse("save_steps", training.save_steps, "must be above 0 with save_strategy steps (a fraction below 1 is "
                "a share of the run)")
+    if training.max_steps == 0 or training.max_steps < -1:
+        refuse("max_steps", training.max_steps, "must be above 0, or -1 to train num_train_epochs (transformers "
+               "would otherwise train the epochs instead without a word)")
+    for key in ("logging_steps", "eval_steps"):
+        if getattr(training, key) is not None and getattr(training, key) <= 0 and \
+                getattr(training, key.replace("_steps", "_strategy")) == "steps":
+            refuse(key, getattr(training, key), "must be above 0 with its strategy `steps` (a fraction below 1 is a "
+                   "share of the run)")
+    check_optimizer_numbers(training, refuse)
     if model.use_peft:
         if model.lora_r < 1:
             refuse("lora_r", model.lora_r, "is the adapters' rank and must be at least 1")
@@ -557,6 +590,42 @@ def check_numbers(run: RunConfig, source: str) -> None:
             refuse("lora_alpha", model.lora_alpha, "scales the adapters and must be above 0")
         if not 0 <= model.lora_dropout < 1:
             refuse("lora_dropout", model.lora_dropout, "is a probability and must be at least 0 and below 1")
+
+
+def check_optimizer_numbers(training, refuse) -> None:
+    """The optimizer's and the schedule's numbers, which torch and transformers check only once the model is loaded
+    (or not at all: a NaN weight decay trains NaN weights)."""
+    if not math.isfinite(training.warmup_steps) or training.warmup_steps < 0:
+        refuse("warmup_steps", training.warmup_steps, "must be 0 or more (below 1: that share of the steps)")
+    if not math.isfinite(training.weight_decay) or training.weight_decay < 0:
+        refuse("weight_decay", training.weight_decay, "must be a finite number, 0 or more")
+    if math.isnan(training.max_grad_norm):
+        refuse("max_grad_norm", training.max_grad_norm, "must be a number (0 turns clipping off)")
+    if not math.isfinite(training.adam_epsilon) or training.adam_epsilon <= 0:
+        refuse("adam_epsilon", training.adam_epsilon, "must be a finite number above 0")
+    for key in ("adam_beta1", "adam_beta2"):
+        if not 0 <= getattr(training, key) < 1:
+            refuse(key, getattr(training, key), "is a decay rate and must be at least 0 and below 1")
+    if training.dataset_num_proc is not None and training.dataset_num_proc < 1:
+        refuse("dataset_num_proc", training.dataset_num_proc, "must be at least 1 (or unset)")
+    for key in MAPPING_FIELDS:
+        if isinstance(getattr(training, key, None), str):
+            refuse(key, getattr(training, key), "must be a mapping, e.g. {\"power\": 2} (JSON on the command line)")
+
+
+def check_attention(model, source: str) -> None:
+    """An attention implementation transformers knows (a kernel of its own, a `paged|` one, a hub kernel's id) or
+    this toolkit's varlen kernel (attention.py)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from finetune.attention import VARLEN_ATTENTION
+
+    known = ["eager", VARLEN_ATTENTION, *ALL_ATTENTION_FUNCTIONS.keys()]
+    name = model.attn_implementation
+    if name is None or "/" in name or name in known or name.removeprefix("paged|") in known:
+        return
+    raise UserError(f"{source}: `attn_implementation: {name}` is not an attention transformers knows; use one of "
+                    f"{', '.join(dict.fromkeys(known))} or a hub kernel's id (org/name).")
 
 
 def check_mxfp4(run: RunConfig, source: str) -> None:

@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.helpers import ACCELERATE, ROOT, folder_digest, free_port, run_sft_in_process, write
 
 LLAMA_FULL = ROOT / "recipes" / "llama-3.2-1b" / "full.yaml"
@@ -122,3 +124,41 @@ def test_the_activation_budget_reaches_inductor_only_for_layers_compiled_without
         apply_to_process(parse_args(["--config", str(LLAMA_3B_LORA), "--tiny", *flags,
                                      "--output_dir", str(tmp_path / "out")]))
         assert functorch_config.activation_memory_budget == budget, flags
+
+
+NUMBERS_REFUSED_BEFORE_LOADING = [
+    # (flags, the words of the one sentence): each ended in a traceback after loading, or trained something else
+    (["--max_steps", "0"], "`max_steps: 0` must be above 0, or -1 to train num_train_epochs"),
+    (["--max_steps", "-5"], "`max_steps: -5` must be above 0"),
+    (["--warmup_steps", "nan"], "`warmup_steps: nan` must be 0 or more"),
+    (["--weight_decay", "nan"], "`weight_decay: nan` must be a finite number"),
+    (["--max_grad_norm", "nan"], "`max_grad_norm: nan` must be a number"),
+    (["--adam_epsilon", "-1"], "`adam_epsilon: -1.0` must be a finite number above 0"),
+    (["--adam_beta2", "1"], "`adam_beta2: 1.0` is a decay rate"),
+    (["--dataset_num_proc", "-1"], "`dataset_num_proc: -1` must be at least 1"),
+    (["--logging_steps", "-1"], "`logging_steps: -1.0` must be above 0"),
+    (["--lr_scheduler_kwargs", "power"], "`lr_scheduler_kwargs: power` must be a mapping"),
+    (["--lr_scheduler_kwargs", "{power: 2}"], "--lr_scheduler_kwargs {power: 2} is not valid JSON"),
+    (["--lr_scheduler_kwargs={power: 2}"], "--lr_scheduler_kwargs {power: 2} is not valid JSON"),
+    (["--attn_implementation", "flashy"], "`attn_implementation: flashy` is not an attention transformers knows"),
+]
+
+
+@pytest.mark.parametrize("flags, sentence", NUMBERS_REFUSED_BEFORE_LOADING, ids=[" ".join(f) for f, _ in
+                                                                                  NUMBERS_REFUSED_BEFORE_LOADING])
+def test_numbers_and_mappings_that_would_fail_after_loading_are_refused_in_one_sentence(flags, sentence, tmp_path):
+    from finetune.config import check, parse_args
+    from finetune.errors import UserError
+
+    with pytest.raises(UserError) as refused:
+        check(parse_args(["--config", str(LLAMA_LORA), "--tiny", "--output_dir", str(tmp_path / "out"), *flags]))
+    assert sentence in str(refused.value) and str(LLAMA_LORA) in str(refused.value), str(refused.value)
+
+
+def test_the_values_next_to_those_refused_still_run(tmp_path):
+    from finetune.config import check, parse_args
+
+    for flags in (["--max_steps", "-1"], ["--warmup_steps", "0.1"], ["--max_grad_norm", "0"],
+                  ["--lr_scheduler_kwargs", '{"power": 2}'], ["--attn_implementation", "sdpa"],
+                  ["--attn_implementation", "kernels-community/vllm-flash-attn3"]):
+        check(parse_args(["--config", str(LLAMA_LORA), "--tiny", "--output_dir", str(tmp_path / "out"), *flags]))
