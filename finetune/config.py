@@ -488,6 +488,7 @@ def check(run: RunConfig) -> None:
         )
     check_numbers(run, source)
     check_attention(model, source)
+    check_optimizer_installed(run.training, source)
     tracking.check_installed(run.training, source)
     check_report_to(run.training, source)
     check_hub_push(run.training, source)
@@ -611,6 +612,21 @@ def check_optimizer_numbers(training, refuse) -> None:
     for key in MAPPING_FIELDS:
         if isinstance(getattr(training, key, None), str):
             refuse(key, getattr(training, key), "must be a mapping, e.g. {\"power\": 2} (JSON on the command line)")
+
+
+def check_optimizer_installed(training, source: str) -> None:
+    """The package an optimizer needs (torchao's 8-bit AdamW, LOMO, GaLore, schedule-free...), which transformers
+    imports only once the model is loaded."""
+    from transformers import Trainer
+
+    try:
+        Trainer.get_optimizer_cls_and_kwargs(training)
+    except (ImportError, ValueError) as error:
+        if isinstance(error, ImportError) or "install" in str(error):
+            why = _one_sentence(error).split(". ")[0].rstrip(".")
+            optim = getattr(training.optim, "value", training.optim)
+            raise UserError(f"{source}: `optim: {optim}` needs a package that is not installed ({why}); "
+                            f"install it, or use `optim: adamw_torch`.") from None
 
 
 def check_attention(model, source: str) -> None:

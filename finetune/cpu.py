@@ -34,8 +34,11 @@ def cpu_overrides(values: dict) -> dict:
         overrides["attn_implementation"] = CPU_ATTENTION[values["attn_implementation"]]
     if values.get("experts_implementation") in CPU_EXPERTS:
         overrides["experts_implementation"] = CPU_EXPERTS[values["experts_implementation"]]
-    if values.get("optim") in ("adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit"):
+    if values.get("optim") in ("adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "adamw_torch_8bit",
+                               "adamw_torch_4bit"):  # bitsandbytes' and torchao's GPU memory savers
         overrides["optim"] = "adamw_torch"
+    if values.get("tf32"):  # an Ampere-or-later GPU's matmul precision: transformers refuses it without one
+        overrides["tf32"] = False
     changed = {key: value for key, value in overrides.items() if key in values and values[key] != value}
     if changed:
         say(f"No GPU: running on CPU with {changed} instead of the recipe's values.")

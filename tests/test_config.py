@@ -141,6 +141,7 @@ NUMBERS_REFUSED_BEFORE_LOADING = [
     (["--lr_scheduler_kwargs", "{power: 2}"], "--lr_scheduler_kwargs {power: 2} is not valid JSON"),
     (["--lr_scheduler_kwargs={power: 2}"], "--lr_scheduler_kwargs {power: 2} is not valid JSON"),
     (["--attn_implementation", "flashy"], "`attn_implementation: flashy` is not an attention transformers knows"),
+    (["--optim", "lomo"], "`optim: lomo` needs a package that is not installed (You need to install `lomo_optim`"),
 ]
 
 
