@@ -12,6 +12,7 @@ that launcher's command line (config_files.accelerate_launch_arguments). `check_
 `check_run` also compares it with the parsed recipe.
 """
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ from finetune.config_files import (
     accelerate_launch_arguments,
     fields_beside_deepspeed_file_refusal,
     local_or_shipped,
+    read_deepspeed_config,
     read_yaml_mapping,
 )
 from finetune.errors import UserError, say
@@ -138,6 +140,7 @@ def check_request(request: LaunchRequest, processes: int) -> list[str]:
         raise UserError(f"{request.source}: {request.written('fsdp_offload_params')} moves FSDP2's parameters out of "
                         f"GPU memory and this machine has no GPU (torch's offload then stops at the first layer); set "
                         f"it to false here.")
+    _check_machines(request)
     _check_parallelism(request, kind, processes)
     _check_fp8(request)
     deepspeed_file = request.value("deepspeed_config_file")
@@ -148,7 +151,47 @@ def check_request(request: LaunchRequest, processes: int) -> list[str]:
             beside.append("mixed_precision")
         if beside:
             raise fields_beside_deepspeed_file_refusal(request.source, deepspeed_file, beside)
+        _check_deepspeed_json(deepspeed_file, request.source)
+    elif kind == "DEEPSPEED":
+        _check_zero_stage(request.value("zero_stage"), request.written("zero_stage"), request.source)
     return notes
+
+
+def _check_machines(request: LaunchRequest) -> None:
+    """A machine rank outside the machines launched waits for a rendezvous that never completes: a hang, not an
+    error."""
+    rank, machines = request.value("machine_rank"), request.value("num_machines") or 1
+    if isinstance(rank, int) and isinstance(machines, int) and not 0 <= rank < machines:
+        raise UserError(f"{request.source}: {request.written('machine_rank')} is not one of the {machines} machines "
+                        f"launched (ranks 0 to {machines - 1}), and the launch would wait for them forever; give each "
+                        f"machine its own rank from 0.")
+
+
+def _check_zero_stage(stage, written: str, source: str) -> None:
+    if isinstance(stage, str) and stage.strip() in ("0", "1", "2", "3"):
+        raise UserError(f"{source}: {written} is text; write the number {stage.strip()} without quotes (DeepSpeed "
+                        f"reads either, but accelerate and transformers compare the stage with a number and would "
+                        f"not run that stage's loading and saving).")
+    if stage is not None and (isinstance(stage, bool) or stage not in (0, 1, 2, 3)):
+        raise UserError(f"{source}: {written} is no ZeRO stage (DeepSpeed has 0 to 3, and fails on another after the "
+                        f"model has loaded); use 2 or 3, as accelerate_configs/zero2.yaml and zero3.yaml do.")
+
+
+def _check_deepspeed_json(file: str, source: str) -> None:
+    """What a DeepSpeed JSON asks for that DeepSpeed would fail on after the model has loaded, or that this toolkit
+    does not run (AutoTP's tensor parallelism)."""
+    values = read_deepspeed_config(file, source)
+    if not isinstance(values, dict):
+        raise UserError(f"{file}: a JSON {type(values).__name__}, not the object of DeepSpeed settings; write it as "
+                        f"{{\"zero_optimization\": {{\"stage\": 2}}, ...}} as ds_configs/*.json do.")
+    zero = values.get("zero_optimization")
+    if isinstance(zero, dict):
+        _check_zero_stage(zero.get("stage"), f"`zero_optimization.stage: {json.dumps(zero.get('stage'))}`", file)
+    tensor_parallel = values.get("tensor_parallel")
+    size = tensor_parallel.get("autotp_size", 1) if isinstance(tensor_parallel, dict) else 1
+    if not isinstance(size, int) or size > 1:
+        raise UserError(f"{file}: `tensor_parallel.autotp_size: {size}` asks for DeepSpeed's tensor parallelism "
+                        f"(AutoTP), which this toolkit does not run; remove the tensor_parallel block.")
 
 
 def _one_process_launch(request: LaunchRequest, kind: str) -> list[str]:

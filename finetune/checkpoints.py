@@ -354,6 +354,11 @@ def save_final_completely(trainer, output_dir: str | Path) -> None:
     if main:
         shutil.rmtree(aside, ignore_errors=True)
     trainer.accelerator.wait_for_everyone()
+    fsdp = getattr(trainer.accelerator.state, "fsdp_plugin", None)
+    if fsdp is not None:
+        # save_model writes nothing under a sharded state dict, FSDP2's default (its checkpoints stay sharded):
+        # the final model is the full one, as accelerate's FSDP2 state dict always gathers it
+        fsdp.set_state_dict_type("FULL_STATE_DICT")
     failure = None
     try:
         trainer.save_model(str(aside))

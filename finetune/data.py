@@ -12,7 +12,8 @@ from functools import partial
 from pathlib import Path
 
 import pyarrow.parquet as pq
-from datasets import Dataset, DatasetDict, load_dataset
+from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
+from datasets.data_files import FILES_TO_IGNORE
 from trl import ScriptArguments, SFTConfig
 from trl.data_utils import is_conversational
 
@@ -33,13 +34,18 @@ def _load(name: str, config_name: str | None) -> DatasetDict:
     path = Path(name).expanduser()
     if _looks_local(name) and not path.exists():
         raise UserError(f"{name}: dataset file or folder not found; fix --dataset_name (a hub id, folder or file).")
+    if (path / "state.json").is_file():  # one split saved by save_to_disk, which load_dataset refuses to read
+        try:
+            return DatasetDict({"train": load_from_disk(str(path))})
+        except Exception as error:
+            raise UserError(f"{name}: a folder saved by save_to_disk that cannot be read ({_first_line(error)}); "
+                            f"save the dataset again.") from None
+    if path.is_dir():
+        _check_folder(path, name)
     if path.is_file():
         if path.suffix not in FILE_BUILDERS:
             raise UserError(f"{name}: unsupported dataset file type; use one of {', '.join(FILE_BUILDERS)}.")
-        if path.suffix in (".jsonl", ".json", ".csv"):
-            _check_text(path, name, json_lines=path.suffix == ".jsonl")
-        else:
-            _check_parquet(path, name)
+        _check_file(path, name)
         try:
             return load_dataset(FILE_BUILDERS[path.suffix], data_files=str(path))
         except Exception as error:
@@ -55,6 +61,41 @@ def _load(name: str, config_name: str | None) -> DatasetDict:
         ) from None
 
 
+def _check_file(path: Path, name: str) -> None:
+    if path.suffix in (".jsonl", ".json", ".csv"):
+        _check_text(path, name, json_lines=path.suffix == ".jsonl")
+    else:
+        _check_parquet(path, name)
+
+
+# What `datasets` reads in a folder, by file type: the most common type only, the other files left out without a word;
+# never the files it writes itself beside the data (save_to_disk's state.json among them)
+FOLDER_DATA_TYPES = {**FILE_BUILDERS, ".txt": "text", ".tsv": "csv", ".arrow": "arrow"}
+NOT_DATA_FILES = {*FILES_TO_IGNORE, "state.json"}
+
+
+def _check_folder(path: Path, name: str) -> None:
+    """A local folder's data files, checked as single files are (`datasets` fails on them with a traceback or a
+    message naming no file); a folder of several file types is refused, since `datasets` would train on one type."""
+    files = sorted(file for file in path.rglob("*") if file.is_file() and file.suffix in FOLDER_DATA_TYPES
+                   and file.name not in NOT_DATA_FILES
+                   and not any(part.startswith((".", "__")) for part in file.relative_to(path).parts))
+    if not files:
+        raise UserError(f"{name}: the folder holds no data files; put .jsonl, .json, .parquet or .csv files in it, "
+                        f"or pass one file to --dataset_name.")
+    kinds = {}
+    for file in files:
+        kinds.setdefault(FOLDER_DATA_TYPES[file.suffix], file)
+    if len(kinds) > 1:
+        found = ", ".join(f"{kind} ({file.relative_to(path)})" for kind, file in kinds.items())
+        raise UserError(f"{name}: the folder holds data files of several types ({found}), and `datasets` reads only "
+                        f"its most common type, leaving the others out; keep one type in the folder, or give each "
+                        f"its own entry in `dataset_mixture:`.")
+    for file in files:
+        if file.suffix in FILE_BUILDERS:
+            _check_file(file, str(file))
+
+
 def _check_text(path: Path, name: str, json_lines: bool) -> None:
     """A text data file must be UTF-8, hold something and, as .jsonl, a JSON object on every line that is not blank:
     name the first line that does not (`datasets` only says the file failed, or fails later with a traceback)."""
@@ -62,7 +103,7 @@ def _check_text(path: Path, name: str, json_lines: bool) -> None:
     with open(path, "rb") as lines:
         for number, line in enumerate(lines, start=1):
             try:
-                text = line.decode("utf-8")
+                text = line.decode("utf-8-sig" if number == 1 else "utf-8")  # `datasets` reads past a BOM
             except UnicodeDecodeError as error:
                 raise UserError(f"{name}: line {number} is not UTF-8 text (its byte {error.start + 1}); save the file "
                                 f"as UTF-8.") from None
@@ -124,8 +165,10 @@ def load_datasets(script: ScriptArguments, training: SFTConfig, length_tokenizer
     if training.eval_strategy == "no":
         evaluation = None
     elif evaluation is None:
-        say(f"{name} has no `{script.dataset_test_split}` split: evaluating on "
-            f"{100 * EVAL_FRACTION_WHEN_NO_TEST_SPLIT:.0f}% of the train split.")
+        if len(train) < 2:
+            raise UserError(f"{name}: one row cannot be split into training and evaluation rows (there is no "
+                            f"`{script.dataset_test_split}` split); add rows or a test split, or set "
+                            f"eval_strategy: no.")
         parts = train.train_test_split(test_size=EVAL_FRACTION_WHEN_NO_TEST_SPLIT, seed=training.seed)
         train, evaluation = parts["train"], parts["test"]
     if record is not None and not mixture:
@@ -145,10 +188,12 @@ def _cuts_rows(training: SFTConfig) -> bool:
 def _checked_split(splits: DatasetDict, name: str, split: str, columns, length_tokenizer, max_length, tokenizer,
                    chat_template_kwargs, answer_tokenizer) -> Dataset:
     source = f"{name} [{split}]"
-    rows = with_chat_template_kwargs(data_formats.to_trl_format(splits[split], source, columns), chat_template_kwargs)
+    rows = data_formats.to_trl_format(splits[split], source, columns)
     check_rows(rows, source)
+    rows = with_chat_template_kwargs(rows, chat_template_kwargs)
     if tokenizer is not None:
         check_reasoning_traces(rows, source, tokenizer, max_length)
+        check_turn_fields(rows, source, tokenizer)
     if length_tokenizer is not None:
         refuse_long_samples(rows, source, length_tokenizer, max_length)
     if answer_tokenizer is not None:
@@ -168,8 +213,16 @@ def _load_single(script: ScriptArguments, training: SFTConfig, checks: dict, col
         )
     check = partial(_checked_split, splits, script.dataset_name, columns=columns, **checks)
     train = check(script.dataset_train_split)
-    wants_eval = training.eval_strategy != "no" and script.dataset_test_split in splits
-    return train, check(script.dataset_test_split) if wants_eval else None
+    if training.eval_strategy == "no":
+        return train, None
+    if script.dataset_test_split in splits:
+        return train, check(script.dataset_test_split)
+    others = sorted(set(splits) - {script.dataset_train_split})
+    # a `validation` split left unused is said with the setting that would use it
+    use = f" (it has {others}: set dataset_test_split to evaluate on one of them)" if others else ""
+    say(f"{script.dataset_name} has no `{script.dataset_test_split}` split{use}: evaluating on "
+        f"{100 * EVAL_FRACTION_WHEN_NO_TEST_SPLIT:.0f}% of the train split.")
+    return train, None
 
 
 def _load_mixture(mixture, script: ScriptArguments, training: SFTConfig, checks: dict, record: dict | None):
@@ -344,7 +397,7 @@ def check_rows(dataset: Dataset, source: str) -> None:
             present = sorted(key for key, value in row.items() if value is not None)
             raise UserError(f"{source}: row {index + 1} has no `{missing[0]}` (it has {present}); the rows are "
                             f"{data_format} rows, so give every row `{'` and `'.join(columns)}`.")
-        problem = _row_problem(row, data_format)
+        problem = _row_problem(row, data_format) or _extras_problem(row)
         if problem:
             raise UserError(f"{source}: row {index + 1} {problem}.")
 
@@ -358,12 +411,50 @@ def _row_problem(row: dict, data_format: str) -> str | None:
     for column in ("prompt", "completion"):
         value = row[column]
         if isinstance(value, list):
-            problem = _turns_problem(value, column)
+            problem = turns_problem(value, column)
         else:
             problem = _not_text(value, f"`{column}`") or (
                 None if value.strip() else f"has an empty `{column}`; fill it or remove the row")
         if problem:
             return problem
+    if isinstance(row["prompt"], list) != isinstance(row["completion"], list):
+        return ("has a `prompt` and a `completion` of which one is a list of turns and the other text, which TRL "
+                "cannot render together; give both as turns or both as text")
+    if isinstance(row["prompt"], list):
+        return _exchange_problem(row["prompt"], row["completion"])
+    return None
+
+
+def _exchange_problem(prompt: list, completion: list) -> str | None:
+    """A prompt and completion of turns: the completion is what is trained, so it holds the answer (assistant turns,
+    and the tool turns between them), and the two read as one conversation in order."""
+    for position, turn in enumerate(completion, start=1):
+        if turn["role"] not in ("assistant", "tool"):
+            return (f"turn {position} of `completion` is a {turn['role']!r} turn, which would be trained as the "
+                    f"answer; keep the answer's assistant (and tool) turns in `completion` and move the rest to "
+                    f"`prompt`")
+    if all(turn["role"] != "assistant" for turn in completion):
+        return "has no assistant turn in `completion`, so there is nothing to learn; add one or remove the row"
+    places = [("prompt", position, turn["role"]) for position, turn in enumerate(prompt, start=1)]
+    places += [("completion", position, turn["role"]) for position, turn in enumerate(completion, start=1)]
+    return _order_problem(places)
+
+
+def _extras_problem(row: dict) -> str | None:
+    """The values TRL hands the chat template row by row: `chat_template_kwargs`, a mapping, and `tools`, a list of
+    tool schemas or JSON text of one."""
+    values = row.get("chat_template_kwargs")
+    if values is not None and not isinstance(values, dict):
+        return (f"has a `chat_template_kwargs` that is {type(values).__name__} ({str(values)[:40]}), not a mapping; "
+                f"make it {{name: value}} or remove it")
+    tools = row.get("tools")
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError:
+            return "has `tools` text that is not JSON; give a list of tool schemas, or JSON text of one"
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(tool, dict) for tool in tools)):
+        return f"has `tools` that is no list of tool schemas ({str(tools)[:40]}); fix or remove it"
     return None
 
 
@@ -374,23 +465,29 @@ def _not_text(value, what: str) -> str | None:
     return f"has {what} of type {type(value).__name__} ({str(value)[:40]}), not text; make it a string"
 
 
-def _turns_problem(turns, column: str) -> str | None:
+def turns_problem(turns, column: str) -> str | None:
     if isinstance(turns, (str, dict)):
         return (f"has a `{column}` that is {'text' if isinstance(turns, str) else 'one mapping'}, not a list of turns; "
                 f"make it a list of {{role, content}} turns")
     if not isinstance(turns, list) or not turns:
         return f"has an empty `{column}` list; give it at least one turn or remove the row"
     for position, turn in enumerate(turns, start=1):
-        if not isinstance(turn, dict) or turn.get("role") not in ROLES:
-            role = turn.get("role") if isinstance(turn, dict) else turn
-            return f"turn {position} of `{column}` has role {role!r}; use one of {sorted(ROLES)}"
+        if not isinstance(turn, dict):
+            return (f"turn {position} of `{column}` is a {type(turn).__name__} ({str(turn)[:40]}), not a turn; make "
+                    f"`{column}` one list of {{role, content}} turns")
+        if turn.get("role") not in ROLES:
+            return f"turn {position} of `{column}` has role {turn.get('role')!r}; use one of {sorted(ROLES)}"
         where = f"turn {position} of `{column}` ({turn['role']})"
-        if turn.get("content") is None:
+        calls = turn["role"] == "assistant" and turn.get("tool_calls")  # a tool call may be the whole answer
+        if turn.get("content") is None and not calls:
             return f"{where} has no `content`; fill it or remove the row"
-        if not isinstance(turn["content"], str):
+        if turn.get("content") is not None and not isinstance(turn["content"], str):
             return f"{where} {_not_text(turn['content'], 'a `content`')}"
-        if turn["role"] == "assistant" and not turn["content"].strip():
+        if turn["role"] == "assistant" and not (turn.get("content") or "").strip() and not calls:
             return f"{where} has empty content; fill it or remove the row"
+        if turn["role"] == "assistant" and turn.get("weight") is not None and turn["weight"] == 0:
+            return (f"{where} has `weight: 0` (not to be trained on), which TRL cannot honour (it trains every "
+                    f"assistant turn); remove that turn or its weight")
         problem = _reasoning_problem(turn, where)
         if problem:
             return problem
@@ -416,13 +513,18 @@ def _reasoning_problem(turn: dict, where: str) -> str | None:
 
 
 def _conversation_problem(turns, column: str) -> str | None:
-    problem = _turns_problem(turns, column)
+    problem = turns_problem(turns, column)
     if problem:
         return problem
-    roles = [turn["role"] for turn in turns]
-    if "assistant" not in roles:
+    if all(turn["role"] != "assistant" for turn in turns):
         return f"has no assistant turn in `{column}`, so there is nothing to learn; add one or remove the row"
-    for position, (before, role) in enumerate(zip(["start"] + roles, roles), start=1):
+    return _order_problem([(column, position, turn["role"]) for position, turn in enumerate(turns, start=1)])
+
+
+def _order_problem(places: list[tuple[str, int, str]]) -> str | None:
+    """The first assistant turn that answers neither a user nor a tool turn, of (column, position, role) in order."""
+    roles = [role for _, _, role in places]
+    for (column, position, role), before in zip(places, ["start"] + roles):
         if role == "assistant" and before not in ("user", "tool"):
             return (f"turn {position} of `{column}` is an assistant turn after {before!r}; an assistant answers a user "
                     f"or tool turn")
@@ -442,6 +544,95 @@ def _template_kwargs(row: dict) -> dict:
     return {key: value for key, value in (row.get("chat_template_kwargs") or {}).items() if value is not None}
 
 
+# A turn's fields every chat template reads; `thinking` is check_reasoning_traces'
+PLAIN_TURN_FIELDS = {"role", "content"}
+REASONING_FIELDS = ("reasoning_content", "reasoning")  # other projects' names for a reasoning trace
+
+
+def check_turn_fields(dataset: Dataset, source: str, tokenizer) -> None:
+    """What conversations hold beyond each turn's role and content (tool calls, a reasoning trace under another name
+    than `thinking`, a turn's `name`) reaches the model only as the chat template renders it. One row of each kind of
+    turn is rendered: a row the template fails on (TRL would fail after loading the model), or an assistant turn's text
+    or tool call it leaves out (trained as something else than the row, without a word), is refused; the fields of
+    other turns it leaves out are named in one line."""
+    data_format = data_formats.trl_format(dataset.column_names)
+    if data_format not in ("messages", "prompt-completion"):
+        return
+    seen, unrendered = set(), {}
+    conversations = dataset["messages"] if data_format == "messages" else (
+        prompt + completion if isinstance(prompt, list) and isinstance(completion, list) else []
+        for prompt, completion in zip(dataset["prompt"], dataset["completion"]))
+    for index, turns in enumerate(conversations):
+        kinds = {_turn_kind(turn) for turn in turns} - seen
+        seen |= kinds
+        if all(role != "tool" and fields <= PLAIN_TURN_FIELDS for role, fields, _ in kinds):
+            continue
+        row = dataset[index]
+        try:
+            text = tokenizer.apply_chat_template(turns, tokenize=False, tools=_tools(row), **_template_kwargs(row))
+        except Exception as error:  # the template is the model's code: any failure of it is the row's to fix
+            raise UserError(f"{source}: row {index + 1} cannot be rendered by the model's chat template "
+                            f"({_first_line(error)}); fix the row so that the template accepts it, or remove "
+                            f"it.") from None
+        for position, turn in enumerate(turns, start=1):
+            problem = _left_out(turn, text, tokenizer)
+            if problem:
+                raise UserError(f"{source}: row {index + 1} turn {position} ({turn['role']}) {problem}.")
+            if turn["role"] != "assistant":
+                for field in _fields(turn) - PLAIN_TURN_FIELDS:
+                    if isinstance(turn[field], str) and turn[field].strip() not in text:
+                        unrendered.setdefault(field, index + 1)
+    if unrendered:
+        say(f"{source}: the chat template leaves out the turn fields "
+            f"{', '.join(f'`{field}` (row {row} first)' for field, row in sorted(unrendered.items()))}, so the model "
+            f"never sees them; move their text into `content` if it should.")
+
+
+def _fields(turn: dict) -> set[str]:
+    """A turn's fields that hold something (Arrow gives every turn the fields any turn has, as None)."""
+    return {field for field, value in turn.items() if value is not None}
+
+
+def _turn_kind(turn: dict) -> tuple:
+    calls = turn.get("tool_calls")
+    return turn["role"], frozenset(_fields(turn)), len(calls) if isinstance(calls, list) else type(calls).__name__
+
+
+def _left_out(turn: dict, text: str, tokenizer) -> str | None:
+    """What of an assistant turn the rendered conversation `text` leaves out, as the end of a sentence with its fix."""
+    if turn["role"] != "assistant":
+        return None
+    for call in turn.get("tool_calls") or []:
+        function = (call.get("function") or call) if isinstance(call, dict) else {}
+        if not function.get("name") or function["name"] not in text:
+            return (f"has a tool call ({str(call)[:60]}) that the model's chat template leaves out, so it would not "
+                    f"be trained; write tool calls as [{{type: function, function: {{name, arguments}}}}]")
+        arguments = function.get("arguments")
+        if isinstance(arguments, str) and json.dumps(arguments) in text:
+            return ("has tool call arguments given as JSON text, which the model's chat template writes as one quoted "
+                    "string, so the model would learn escaped JSON; give `arguments` as a mapping")
+    for field in ["content", *sorted(_fields(turn) - PLAIN_TURN_FIELDS - {"thinking", "tool_calls"})]:
+        value = turn.get(field)
+        if not isinstance(value, str) or not value.strip() or value.strip() in text:
+            continue
+        if field == "content":
+            fix = "give that text an assistant turn of its own before the tool call"
+        elif field in REASONING_FIELDS:
+            fix = ("rename the field `thinking`, which the template renders" if _renders_thinking(tokenizer) else
+                   "remove it: this model's chat template renders no reasoning trace")
+        else:
+            fix = "move its text into `content` or remove the field"
+        return (f"has a `{field}` that the model's chat template leaves out, so it would be dropped from training "
+                f"without a word; {fix}")
+    return None
+
+
+def _renders_thinking(tokenizer) -> bool:
+    probe = "reasoning-trace-probe"
+    return probe in tokenizer.apply_chat_template(
+        [{"role": "user", "content": "?"}, {"role": "assistant", "content": "!", "thinking": probe}], tokenize=False)
+
+
 def check_reasoning_traces(dataset: Dataset, source: str, tokenizer, max_length: int | None) -> None:
     """Reasoning traces (`thinking` on assistant turns) reach the loss only where the chat template renders them.
 
@@ -453,11 +644,7 @@ def check_reasoning_traces(dataset: Dataset, source: str, tokenizer, max_length:
     traced = [index for index, turns in enumerate(dataset["messages"]) if any(turn.get("thinking") for turn in turns)]
     if not traced:
         return
-    probe = "reasoning-trace-probe"
-    rendered = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "?"}, {"role": "assistant", "content": "!", "thinking": probe}], tokenize=False
-    )
-    if probe not in rendered:
+    if not _renders_thinking(tokenizer):
         raise UserError(
             f"{source}: row {traced[0] + 1} has a reasoning trace (`thinking`), which this model's chat template never "
             f"renders, so it would be dropped without a word; remove the `thinking` fields or train a model with a "

@@ -245,14 +245,13 @@ def _turn_messages(row: dict, number: int, source: str, column: str) -> list[dic
                             f"{{from: human|gpt|system, value: ...}}, so fix or remove the row.")
         if turn.get("from") is not None:
             messages.append({"role": _sharegpt_role(turn, number, position, source),
-                             "content": _text(turn.get("value"), source, number, f"a `value` in {where}")})
+                             "content": _text(turn.get("value"), source, number, f"`value` in {where}")})
         elif turn.get("input") is not None or turn.get("output") is not None:
-            question = _text(turn.get("input"), source, number, f"an `input` in {where}")
-            answer = _text(turn.get("output"), source, number, f"an `output` in {where}")
+            question = _text(turn.get("input"), source, number, f"`input` in {where}")
+            answer = _text(turn.get("output"), source, number, f"`output` in {where}")
             messages += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
-        elif turn.get("role") is not None:
-            messages.append({"role": turn["role"], "content": _text(turn.get("content"), source, number,
-                                                                    f"a `content` in {where}")})
+        elif turn.get("role") is not None:  # chat turns as they are (tool calls and traces too), checked as `messages`
+            messages.append({key: value for key, value in turn.items() if value is not None})
         else:
             raise UserError(
                 f"{source}: row {number} {where} has keys {sorted(turn)}; turns are ShareGPT's {{from, value}}, "

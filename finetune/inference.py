@@ -233,8 +233,11 @@ def answer(model, tokenizer, prompt: str, max_new_tokens: int = 24, chat_templat
 
 
 def read_prompts(path: str) -> list[tuple[dict, list[dict]]]:
-    """(the row to write back, the conversation to answer) for each prompt of a .jsonl file of `messages` or
-    `prompt` rows (a string or a list of turns; a last assistant turn is dropped), or of a text file, a line each."""
+    """(the row to write back, the conversation to answer) for each prompt of a .jsonl (or .json) file of `messages`
+    or `prompt` rows (a string or a list of turns, checked as training checks them; a last assistant turn is dropped),
+    or of a text file, a line each."""
+    from finetune import data
+
     file = Path(path)
     if file.is_dir():
         raise UserError(f"{path}: a folder, not a prompts file; pass a .jsonl of `messages` or `prompt` rows, or a "
@@ -242,34 +245,68 @@ def read_prompts(path: str) -> list[tuple[dict, list[dict]]]:
     if not file.is_file():
         raise UserError(f"{path}: prompts file not found; pass a .jsonl of `messages` or `prompt` rows, or a text "
                         f"file with one prompt per line.")
+    kind = file.suffix.lower()
+    if kind in NOT_PROMPT_FILES:
+        raise UserError(f"{path}: a {kind} file, which would be read as lines of text; write the prompts as a .jsonl "
+                        f"of `messages` or `prompt` rows, or as a text file with one prompt per line.")
     try:
-        text = file.read_text(encoding="utf-8")
+        text = file.read_text(encoding="utf-8-sig")  # a BOM (as Windows editors write one) is not part of line 1
     except UnicodeDecodeError as error:
         line = file.read_bytes()[:error.start].count(b"\n") + 1
         raise UserError(f"{path}: line {line} is not UTF-8 text; save the prompts file as UTF-8.") from None
     except OSError as error:  # no read permission, a broken disk
         raise UserError(f"{path}: the prompts file cannot be read ({error.strerror}); fix its permissions or pass "
                         f"another --prompts.") from None
+    if kind not in (".jsonl", ".json"):
+        return _text_prompts(path, text)
     prompts = []
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        if file.suffix != ".jsonl":
-            prompts.append(({"prompt": line.strip()}, [{"role": "user", "content": line.strip()}]))
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise UserError(f"{path}: line {number} is not valid JSON ({error.msg}); fix or remove that line.") from None
+    for number, row in _json_rows(path, text, kind):
         turns = row.get("messages", row.get("prompt")) if isinstance(row, dict) else None
         if isinstance(turns, str) and turns.strip():
             turns = [{"role": "user", "content": turns}]
         if isinstance(turns, list) and turns and isinstance(turns[-1], dict) and turns[-1].get("role") == "assistant":
             turns = turns[:-1]
         if not isinstance(turns, list) or not turns or not all(isinstance(t, dict) and "role" in t for t in turns):
-            raise UserError(f"{path}: line {number} has no `messages` or `prompt` to answer; give each line "
+            raise UserError(f"{path}: {number} has no `messages` or `prompt` to answer; give each row "
                             f"{{\"prompt\": \"...\"}} or {{\"messages\": [{{\"role\": \"user\", \"content\": \"...\"}}]}}.")
+        problem = data.turns_problem(turns, "messages" if "messages" in row else "prompt")
+        if problem:  # a role or content the chat template would render as something else, without a word
+            raise UserError(f"{path}: {number} {problem}.")
         prompts.append((row, turns))
     if not prompts:
         raise UserError(f"{path}: holds no prompts; write one prompt per line.")
     return prompts
+
+
+# Data files that are not prompts a line each: read as text, their lines (a CSV header among them) would be answered
+NOT_PROMPT_FILES = (".csv", ".tsv", ".parquet", ".arrow", ".gz", ".zip", ".xz", ".zst", ".bz2")
+
+
+def _text_prompts(path: str, text: str) -> list[tuple[dict, list[dict]]]:
+    prompts = [({"prompt": line.strip()}, [{"role": "user", "content": line.strip()}])
+               for line in text.splitlines() if line.strip()]
+    if not prompts:
+        raise UserError(f"{path}: holds no prompts; write one prompt per line.")
+    return prompts
+
+
+def _json_rows(path: str, text: str, kind: str):
+    """(where, row) of a .jsonl file's lines, or of a .json file's list of rows (or its lines, `datasets`' JSON)."""
+    if kind == ".json":
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError:
+            rows = None  # JSON lines in a .json file, as `datasets` reads them too
+        if rows is not None:
+            rows = rows if isinstance(rows, list) else [rows]
+            return [(f"row {number}", row) for number, row in enumerate(rows, start=1)]
+    rows = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            rows.append((f"line {number}", json.loads(line)))
+        except json.JSONDecodeError as error:
+            raise UserError(f"{path}: line {number} is not valid JSON ({error.msg}); fix or remove that "
+                            f"line.") from None
+    return rows

@@ -4,6 +4,7 @@ check every command makes of a model before loading it (`check_model`).
 """
 
 import json
+import os
 import re
 import warnings
 from pathlib import Path
@@ -16,7 +17,7 @@ from trl import get_peft_config, get_quantization_config
 
 from finetune import attention, checkpoints, cpu, families, mxfp4, tiny
 from finetune.config import RUN_RECORD, RunConfig
-from finetune.config_files import requested_strategy
+from finetune.config_files import accelerate_config_file, requested_strategy
 from finetune.errors import UserError
 
 # peft's PeftModel (peft_model.py) and TRL read the attribute transformers 5.2x renamed; the warning is theirs to fix
@@ -24,16 +25,22 @@ warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprec
 
 
 def resolve_model_path(run: RunConfig) -> str:
-    """The folder or hub id to load, checked (`check_model`): the recipe's model, or its tiny stand-in under --tiny.
-    A model of no family (finetune/families.py) is refused here, before anything loads, where the run needs its
-    family: for the tiny stand-in, and for `experts_implementation` (model_init_kwargs)."""
+    """The folder or hub id to load, checked (`check_model`): the recipe's model, or its tiny stand-in under --tiny
+    (its width checked first), and against an FSDP launch's layer classes to wrap (`check_fsdp_wrap`). A model of no
+    family (finetune/families.py) is refused here, before anything loads, where the run needs its family: for the
+    tiny stand-in, and for `experts_implementation` (model_init_kwargs)."""
     name, revision = run.model.model_name_or_path, run.model.model_revision
     if run.finetune.tiny:
-        return str(tiny.tiny_model_folder(families.family_of(name, revision).name, run.finetune.tiny_width))
-    check_model(name, "--model_name_or_path", revision=revision)
-    if run.finetune.experts_implementation:
-        families.family_of(name, revision)  # refused now rather than once the tokenizer and the data have loaded
-    return name
+        family = families.family_of(name, revision).name
+        tiny.check_width(family, run.finetune.tiny_width, run.recipe_path or "command line")
+        path = str(tiny.tiny_model_folder(family, run.finetune.tiny_width))
+    else:
+        check_model(name, "--model_name_or_path", revision=revision)
+        if run.finetune.experts_implementation:
+            families.family_of(name, revision)  # refused now rather than once the tokenizer and the data have loaded
+        path = name
+    check_fsdp_wrap(path, name)
+    return path
 
 
 # ---- Checking a model before it loads ----------------------------------------------------------------------------
@@ -70,6 +77,9 @@ def check_model(name: str, flag: str, base: str | None = None, base_flag: str | 
     problem = model_problem(base, base_flag or f"base_model_name_or_path in {ADAPTER_CONFIG}")
     if problem:
         raise UserError(f"{adapter_config}: its base model cannot be loaded: {problem}")
+    if (Path(base).expanduser() / ADAPTER_CONFIG).is_file():  # transformers would load it with its own adapter on
+        raise UserError(f"{base}: a LoRA adapter, not the base model of {name}, which would then carry two adapters; "
+                        f"pass {base_flag or 'base_model_name_or_path'} the model it was trained on.")
     return base
 
 
@@ -261,18 +271,45 @@ def load_model(run: RunConfig, model_path: str) -> PreTrainedModel:
     return model
 
 
-def check_lora_targets(run: RunConfig, model_path: str) -> None:
-    """LoRA target modules that match no layer of the model: refused before loading, naming the layers there are.
-    peft adapts what matches and says nothing of a misspelled name beside a right one (or fails after loading when
-    none matches). The model's layers are read from a skeleton on the meta device: no weights, no memory."""
-    targets = run.model.lora_target_modules
-    if not run.model.use_peft or not targets or targets in ("all-linear", ["all-linear"]) or isinstance(targets, str):
-        return
+def _skeleton(model_path: str):
+    """The model's modules on the meta device (no weights, no memory), or None for a model that cannot be built so:
+    the checks reading it are then left to the load."""
     try:
         config = AutoConfig.from_pretrained(model_path)
         with torch.device("meta"):
-            skeleton = AutoModelForCausalLM.from_config(config)
-    except Exception:  # a model this check cannot build on meta: peft's own check still runs at load
+            return AutoModelForCausalLM.from_config(config)
+    except Exception:
+        return None
+
+
+def check_fsdp_wrap(model_path: str, name: str) -> None:
+    """An FSDP file's `fsdp_transformer_layer_cls_to_wrap` (accelerate's own examples name BertLayer) must name layer
+    classes of this model: accelerate fails on it only once the model is loaded."""
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true" or \
+            os.environ.get("FSDP_AUTO_WRAP_POLICY", "TRANSFORMER_BASED_WRAP") != "TRANSFORMER_BASED_WRAP":
+        return
+    wanted = [cls.strip() for cls in os.environ.get("FSDP_TRANSFORMER_CLS_TO_WRAP", "").split(",") if cls.strip()]
+    skeleton = _skeleton(model_path) if wanted else None
+    if skeleton is None:
+        return
+    classes = {type(module).__name__ for module in skeleton.modules()}
+    missing = [cls for cls in wanted if cls not in classes]
+    if missing:
+        layers = ", ".join(getattr(skeleton, "_no_split_modules", None) or sorted(classes))
+        raise UserError(f"{accelerate_config_file()}: `fsdp_transformer_layer_cls_to_wrap: {','.join(wanted)}` names "
+                        f"{', '.join(missing)}, which {name} does not have (its decoder layers: {layers}); "
+                        f"remove the field to wrap each decoder layer, as accelerate_configs/fsdp.yaml does.")
+
+
+def check_lora_targets(run: RunConfig, model_path: str) -> None:
+    """LoRA target modules that match no layer of the model: refused before loading, naming the layers there are.
+    peft adapts what matches and says nothing of a misspelled name beside a right one (or fails after loading when
+    none matches). The model's layers are read from a skeleton on the meta device."""
+    targets = run.model.lora_target_modules
+    if not run.model.use_peft or not targets or targets in ("all-linear", ["all-linear"]) or isinstance(targets, str):
+        return
+    skeleton = _skeleton(model_path)
+    if skeleton is None:  # peft's own check still runs at load
         return
     names = [name for name, module in skeleton.named_modules() if isinstance(module, torch.nn.Linear)]
     unmatched = [target for target in targets if not any(name == target or name.endswith("." + target) for name in names)]

@@ -11,6 +11,7 @@ from pathlib import Path
 from transformers import PreTrainedTokenizerFast
 
 from finetune import patches
+from finetune.errors import UserError
 from finetune.families import FAMILIES, TINY_WIDTH, load_architecture, trl_chat_template
 
 TINY_TOKENIZERS_DIR = Path(__file__).parent / "tiny_tokenizers"
@@ -27,6 +28,16 @@ def build_tiny_tokenizer(family: str) -> PreTrainedTokenizerFast:
         pad_token=tiny.pad_token,
         chat_template=trl_chat_template(FAMILIES[family]),
     )
+
+
+def check_width(family: str, width: int, source: str) -> None:
+    """`--tiny_width`, refused before the tiny model is built (transformers fails on it with a traceback): each
+    attention head takes an even share of the width, since rotary embeddings rotate pairs of its values."""
+    step = 2 * FAMILIES[family].tiny.scaled_down["num_attention_heads"]
+    if width < step or width % step:
+        raise UserError(f"{source}: `tiny_width: {width}` is no width the tiny {family} model can have (its "
+                        f"{step // 2} attention heads each take an even share); give a multiple of {step} such as "
+                        f"{TINY_WIDTH} or {2 * TINY_WIDTH} (a recipe key or --tiny_width).")
 
 
 def tiny_config(family: str, tokenizer: PreTrainedTokenizerFast, width: int = TINY_WIDTH):

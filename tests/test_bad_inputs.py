@@ -50,6 +50,7 @@ def rows_file(tmp: Path, rows: list, name: str = "rows.jsonl") -> Path:
 
 
 def write_bytes(path: Path, content: bytes) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(content)
     return path
 
@@ -60,6 +61,13 @@ def recipe(tmp: Path, text: str) -> list[str]:
 
 def data(tmp: Path, rows: list, name: str = "rows.jsonl") -> list[str]:
     return [*TINY, "--dataset_name", str(rows_file(tmp, rows, name))]
+
+
+def folder(tmp: Path, files: dict) -> list[str]:
+    """A data folder of these files (name: text or bytes), trained on with --tiny."""
+    for name, content in files.items():
+        write_bytes(tmp / "data" / name, content if isinstance(content, bytes) else content.encode())
+    return [*TINY, "--dataset_name", str(tmp / "data")]
 
 
 def user(text: str = "hi") -> dict:
@@ -230,8 +238,25 @@ BAD_INPUTS = [
      ["rows.jsonl", "`assistant_only_loss: true`", "set assistant_only_loss: false"]),
     ("unsupported file type", lambda t: [*TINY, "--dataset_name", str(write(t / "rows.txt", "hello\n"))],
      ["rows.txt", "unsupported dataset file type", ".jsonl"]),
+    ("one row to train and evaluate on", lambda t: [*data(t, [{"messages": good_turns()}]), "--eval_strategy", "steps"],
+     ["rows.jsonl", "one row cannot be split", "eval_strategy: no"]),
     ("train split that does not exist", lambda t: [*data(t, [{"messages": good_turns()}]), "--dataset_train_split", "training"],
      ["rows.jsonl", "no split named `training`", "--dataset_train_split"]),
+    ("folder of two data file types", lambda t: folder(t, {"rows.jsonl": json.dumps({"messages": good_turns()}),
+                                                           "more.csv": "prompt,completion\na,b\n"}),
+     ["data", "several types", "csv (more.csv), json (rows.jsonl)", "keep one type"]),
+    ("folder with a line that is not UTF-8", lambda t: folder(t, {"rows.jsonl": b'{"text": "caf\xe9"}\n'}),
+     ["data/rows.jsonl", "line 1 is not UTF-8"]),
+    ("answer not to be trained (weight 0)", lambda t: data(t, [{"messages": [user(), {**assistant(), "weight": 0}]}]),
+     ["rows.jsonl", "row 1 turn 2", "`weight: 0`", "remove that turn or its weight"]),
+    ("reasoning trace the chat template leaves out",
+     lambda t: data(t, [{"messages": [user(), {**assistant(), "reasoning_content": "think"}]}]),
+     ["rows.jsonl", "row 1 turn 2", "`reasoning_content`", "leaves out", "renders no reasoning trace"]),
+    ("completion that holds a user turn",
+     lambda t: data(t, [{"prompt": [user()], "completion": [user("more"), assistant()]}]),
+     ["rows.jsonl", "turn 1 of `completion` is a 'user' turn", "move the rest to `prompt`"]),
+    ("tiny width the heads cannot share", lambda t: [*TINY, "--tiny_width", "7"],
+     ["full.yaml", "`tiny_width: 7`", "multiple of 8"]),
     # --- config files (through the real launcher)
     ("DeepSpeed JSON batch size contradicts the recipe",
      lambda t: [*TINY, "--per_device_train_batch_size", "8"],
@@ -261,6 +286,20 @@ BAD_INPUTS = [
      finetune_launch("compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_GPU\nnum_procesess: 2\n")),
     ("accelerate config file missing", lambda t: TINY, ["nowhere.yaml", "not found", "accelerate_configs/"],
      lambda t: [FINETUNE, "launch", "--config_file", str(t / "nowhere.yaml")]),
+    ("machine rank outside the machines (a hang)", lambda t: TINY, ["`machine_rank: 2`", "ranks 0 to 1", "forever"],
+     finetune_launch("distributed_type: MULTI_GPU\nnum_machines: 2\nmachine_rank: 2\nnum_processes: 2\n")),
+    ("ZeRO stage 4 in a DeepSpeed JSON", lambda t: TINY, ["ds.json", "`zero_optimization.stage: 4`", "use 2 or 3"],
+     lambda t: [FINETUNE, "launch", "--config_file", str(accelerate_config(t, {**DS_AUTO, "zero_optimization": {
+         "stage": 4}}))]),
+    ("ZeRO stage as text in a DeepSpeed JSON", lambda t: TINY,
+     ["ds.json", "`zero_optimization.stage: \"3\"` is text", "without quotes"],
+     lambda t: [FINETUNE, "launch", "--config_file", str(accelerate_config(t, {**DS_AUTO, "zero_optimization": {
+         "stage": "3"}}))]),
+    ("DeepSpeed AutoTP tensor parallelism", lambda t: TINY, ["ds.json", "`tensor_parallel.autotp_size: 4`", "remove"],
+     lambda t: [FINETUNE, "launch", "--config_file", str(accelerate_config(t, {**DS_AUTO, "tensor_parallel": {
+         "autotp_size": 4}}))]),
+    ("DeepSpeed JSON that is a list", lambda t: TINY, ["ds.json", "a JSON list", "zero_optimization"],
+     lambda t: [FINETUNE, "launch", "--config_file", str(accelerate_config(t, "[]"))]),
     # --- flags
     ("flag without its value", lambda t: [*TINY, "--output_dir", str(t / "new"), "--max_steps"],
      ["command line", "--max_steps", "expected one argument", "fix that flag"]),

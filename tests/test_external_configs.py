@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import pytest
 
 from tests.helpers import ACCELERATE, ROOT, free_port, printed_setup, write
-from tests.test_bad_inputs import FINETUNE, FULL, TINY, check_bad_input
+from tests.test_bad_inputs import FINETUNE, FULL, TINY, accelerate_config, check_bad_input
 
 CONFIGS = ROOT / "tests" / "data" / "external" / "configs"
 TRL = CONFIGS / "trl" / "trl" / "accelerate_configs"
@@ -79,11 +79,29 @@ REFUSED_BEFORE_LAUNCH = [
      lambda t: derived(t, TRL_EXAMPLES / "context_parallel_2gpu.yaml", lambda v: {
          **v, "parallelism_config": {**v["parallelism_config"], "parallelism_config_cp_size": 1}}),
      ["context_parallel_2gpu.yaml", "`parallelism_config_dp_shard_size: 1` does not match the 2 processes"], []),
+    ("accelerate two-machine template given a rank beyond its machines (a hang)",
+     lambda t: derived(t, TEMPLATES / "multi_node.yaml", lambda v: {**v, "machine_rank": 2}),
+     ["multi_node.yaml", "`machine_rank: 2` is not one of the 2 machines launched", "forever"], []),
+    ("DeepSpeedExamples' AutoTP JSON (tensor_parallel/hf_integration), its optimizer and scheduler removed",
+     lambda t: accelerate_config(t, AUTOTP_JSON), ["ds.json", "`tensor_parallel.autotp_size: 4`", "AutoTP"], []),
+    ("axolotl's ZeRO-3 JSON with its stage written as text",
+     lambda t: accelerate_config(t, {**json.loads((AXOLOTL / "zero3.json").read_text()), "zero_optimization": {
+         **json.loads((AXOLOTL / "zero3.json").read_text())["zero_optimization"], "stage": "3"}}),
+     ["ds.json", "`zero_optimization.stage: \"3\"` is text", "without quotes"], []),
     ("accelerate DeepSpeed template with its mixed_precision line uncommented",
      lambda t: derived(t, TEMPLATES / "deepspeed.yaml", lambda v: {**v, "mixed_precision": "bf16", "deepspeed_config": {
          **v["deepspeed_config"], "deepspeed_config_file": str(DEEPSPEED_TEMPLATES / "zero_stage1_config.json")}}),
      ["deepspeed.yaml", "`mixed_precision` cannot be set beside `deepspeed_config_file", "remove it"], []),
 ]
+
+
+# deepspeedai/DeepSpeedExamples training/tensor_parallel/hf_integration/configs/ds_config.json (commit ff01ee0), as it
+# is but for its optimizer and scheduler blocks, which are refused first
+AUTOTP_JSON = {
+    "bf16": {"enabled": "auto"}, "zero_optimization": {"stage": 2, "gather_16bit_weights_on_model_save": True},
+    "tensor_parallel": {"autotp_size": 4}, "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+    "steps_per_print": 1, "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+    "wall_clock_breakdown": False}
 
 
 def finetune_launch_of(config_file, flags: list[str]):
@@ -346,3 +364,42 @@ def test_a_file_for_several_gpus_trains_two_processes_as_it_says(config_file, st
     setup = printed_setup(result.stdout)
     assert (setup["world_size"], setup["strategy"]) == (2, strategy), setup
     assert (output_dir / "model.safetensors").is_file()
+
+
+def test_the_final_save_under_fsdp2s_default_sharded_state_dict_writes_the_whole_model(tmp_path):
+    """accelerate's FSDP2 files without `fsdp_state_dict_type` (its own tests/distributed/accelerate_configs/fsdp2.yaml)
+    get SHARDED_STATE_DICT, under which transformers' save_model writes nothing: such a run trained to its end and then
+    failed at the final save. The trainer here saves as transformers does, by that state dict type."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    from finetune import checkpoints
+
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
+    assert "SHARDED_STATE_DICT" in str(plugin.state_dict_type)
+
+    def save_model(folder):  # transformers' Trainer.save_model under FSDP
+        if "FULL_STATE_DICT" in str(plugin.state_dict_type):
+            write(Path(folder) / "model.safetensors", "weights")
+
+    accelerator = SimpleNamespace(is_main_process=True, num_processes=1, wait_for_everyone=lambda: None,
+                                  state=SimpleNamespace(fsdp_plugin=plugin))
+    checkpoints.save_final_completely(SimpleNamespace(accelerator=accelerator, save_model=save_model), tmp_path)
+    assert (tmp_path / "model.safetensors").is_file()
+
+
+def test_an_fsdp_file_wrapping_a_layer_class_the_model_lacks_is_refused_before_loading(tmp_path, monkeypatch):
+    """accelerate's examples name BertLayer in `fsdp_transformer_layer_cls_to_wrap`; accelerate fails on a class the
+    model does not have once the model is loaded."""
+    from finetune import config, model
+    from finetune.errors import UserError
+
+    run = config.parse_args([*TINY, "--output_dir", str(tmp_path / "out")])
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # as accelerate launch exports an FSDP file's fields
+    monkeypatch.setenv("FSDP_AUTO_WRAP_POLICY", "TRANSFORMER_BASED_WRAP")
+    monkeypatch.setenv("FSDP_TRANSFORMER_CLS_TO_WRAP", "LlamaDecoderLayer")
+    model.resolve_model_path(run)
+    monkeypatch.setenv("FSDP_TRANSFORMER_CLS_TO_WRAP", "BertLayer")
+    with pytest.raises(UserError, match="`fsdp_transformer_layer_cls_to_wrap: BertLayer` names BertLayer, which "
+                                        r"meta-llama/Llama-3.2-1B-Instruct does not have \(its decoder layers: "
+                                        "LlamaDecoderLayer\\); remove the field"):
+        model.resolve_model_path(run)

@@ -182,3 +182,16 @@ def test_user_mistakes_are_one_error_line_and_exit_2(arguments, message, tmp_pat
     assert cli.main([argument.format(**paths) for argument in arguments]) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and message in errors[0], errors
+
+
+@pytest.mark.parametrize("name, text", [
+    ("prompts.json", json.dumps([{"prompt": "Repeat: red fish"}, {"messages": [{"role": "user", "content": "Hi"}]}])),
+    ("prompts.JSONL", '{"prompt": "Repeat: red fish"}\n{"messages": [{"role": "user", "content": "Hi"}]}\n'),
+    ("bom.jsonl", '\ufeff{"prompt": "Repeat: red fish"}\n{"messages": [{"role": "user", "content": "Hi"}]}\n'),
+])
+def test_prompts_in_json_of_any_spelling_are_read_as_rows_not_as_lines_of_text(name, text, tmp_path):
+    """A .json list (or .JSONL, or a file with a BOM) was read as lines of text, each line answered as a prompt."""
+    path = tmp_path / name
+    path.write_text(text, encoding="utf-8")
+    conversations = [turns for _, turns in inference.read_prompts(str(path))]
+    assert conversations == [[{"role": "user", "content": "Repeat: red fish"}], [{"role": "user", "content": "Hi"}]]
