@@ -10,7 +10,6 @@ import difflib
 import hashlib
 import itertools
 import json
-import math
 import os
 import sys
 import tempfile
@@ -21,7 +20,7 @@ from typing import Literal
 
 from trl import ModelConfig, ScriptArguments, SFTConfig, TrlParser
 
-from finetune import accelerate_checks, checkpoints, compilation, cpu, families, fp8, patches, resume, tracking
+from finetune import accelerate_checks, checkpoints, compilation, cpu, families, fp8, numbers, patches, resume, tracking
 from finetune.config_files import (
     FSDP_V1_REFUSAL,
     RENAMED_KEYS,
@@ -424,16 +423,11 @@ def _known_dests(parser: TrlParser) -> set[str]:
     return {option[2:] for action in actions for option in action.option_strings if option.startswith("--")}
 
 
-# The training arguments' mapping fields that take a JSON object only (the others also take a file's path)
-MAPPING_FIELDS = ("lr_scheduler_kwargs", "gradient_checkpointing_kwargs", "activation_checkpointing_kwargs",
-                  "model_init_kwargs", "dataset_kwargs")
-
-
 def _field_with_bad_json(argv: list[str], recipe: dict) -> str:
     """Which flag or recipe key holds the JSON the training arguments could not read."""
     flags = dict(itertools.pairwise(argv))
     flags |= dict(arg.split("=", 1) for arg in argv if arg.startswith("--") and "=" in arg)
-    for name in MAPPING_FIELDS + ("accelerator_config", "fsdp_config", "deepspeed"):
+    for name in numbers.MAPPING_FIELDS + ("accelerator_config", "fsdp_config", "deepspeed"):
         for written, value in ((f"--{name}", flags.get(f"--{name}")), (f"`{name}`", recipe.get(name))):
             if isinstance(value, str) and value.startswith("{"):
                 try:
@@ -486,7 +480,7 @@ def check(run: RunConfig) -> None:
             f"{source}: `lora_target_parameters` adapts mixture-of-experts weights, which "
             f"{model.model_name_or_path} does not have; remove it or use lora_target_modules."
         )
-    check_numbers(run, source)
+    numbers.check_numbers(lambda key: run_value(run, key), source)
     check_attention(model, source)
     check_optimizer_installed(run.training, source)
     tracking.check_installed(run.training, source)
@@ -554,64 +548,12 @@ def check_chat_template(run: RunConfig, source: str) -> None:
                         f"the recipe's `chat_template`, which has none; add them or set `assistant_only_loss: false`.")
 
 
-def check_numbers(run: RunConfig, source: str) -> None:
-    """Numbers outside the range where they mean something: refused here, not as a traceback after loading or as a
-    run that silently trains nothing."""
-    training, model = run.training, run.model
-
-    def refuse(key: str, value, meaning: str) -> None:
-        raise UserError(f"{source}: `{key}: {value}` {meaning}; fix `{key}` (a recipe key or --{key}).")
-
-    for key in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
-        if getattr(training, key) < 1:
-            refuse(key, getattr(training, key), "must be a whole number of at least 1")
-    if not math.isfinite(training.learning_rate) or training.learning_rate <= 0:
-        refuse("learning_rate", training.learning_rate, "must be a finite number above 0")
-    if training.max_length is not None and training.max_length < 1:
-        refuse("max_length", training.max_length, "is the tokens per row and must be at least 1 (or unset)")
-    if training.max_steps <= 0 and not training.num_train_epochs > 0:
-        refuse("num_train_epochs", training.num_train_epochs, "trains nothing without a positive max_steps; give a "
-               "number of epochs above 0 or set max_steps")
-    if training.save_strategy == "steps" and training.save_steps <= 0:
-        refuse("save_steps", training.save_steps, "must be above 0 with save_strategy steps (a fraction below 1 is "
-               "a share of the run)")
-    if training.max_steps == 0 or training.max_steps < -1:
-        refuse("max_steps", training.max_steps, "must be above 0, or -1 to train num_train_epochs (transformers "
-               "would otherwise train the epochs instead without a word)")
-    for key in ("logging_steps", "eval_steps"):
-        if getattr(training, key) is not None and getattr(training, key) <= 0 and \
-                getattr(training, key.replace("_steps", "_strategy")) == "steps":
-            refuse(key, getattr(training, key), "must be above 0 with its strategy `steps` (a fraction below 1 is a "
-                   "share of the run)")
-    check_optimizer_numbers(training, refuse)
-    if model.use_peft:
-        if model.lora_r < 1:
-            refuse("lora_r", model.lora_r, "is the adapters' rank and must be at least 1")
-        if not math.isfinite(model.lora_alpha) or model.lora_alpha <= 0:
-            refuse("lora_alpha", model.lora_alpha, "scales the adapters and must be above 0")
-        if not 0 <= model.lora_dropout < 1:
-            refuse("lora_dropout", model.lora_dropout, "is a probability and must be at least 0 and below 1")
-
-
-def check_optimizer_numbers(training, refuse) -> None:
-    """The optimizer's and the schedule's numbers, which torch and transformers check only once the model is loaded
-    (or not at all: a NaN weight decay trains NaN weights)."""
-    if not math.isfinite(training.warmup_steps) or training.warmup_steps < 0:
-        refuse("warmup_steps", training.warmup_steps, "must be 0 or more (below 1: that share of the steps)")
-    if not math.isfinite(training.weight_decay) or training.weight_decay < 0:
-        refuse("weight_decay", training.weight_decay, "must be a finite number, 0 or more")
-    if math.isnan(training.max_grad_norm):
-        refuse("max_grad_norm", training.max_grad_norm, "must be a number (0 turns clipping off)")
-    if not math.isfinite(training.adam_epsilon) or training.adam_epsilon <= 0:
-        refuse("adam_epsilon", training.adam_epsilon, "must be a finite number above 0")
-    for key in ("adam_beta1", "adam_beta2"):
-        if not 0 <= getattr(training, key) < 1:
-            refuse(key, getattr(training, key), "is a decay rate and must be at least 0 and below 1")
-    if training.dataset_num_proc is not None and training.dataset_num_proc < 1:
-        refuse("dataset_num_proc", training.dataset_num_proc, "must be at least 1 (or unset)")
-    for key in MAPPING_FIELDS:
-        if isinstance(getattr(training, key, None), str):
-            refuse(key, getattr(training, key), "must be a mapping, e.g. {\"power\": 2} (JSON on the command line)")
+def run_value(run: RunConfig, key: str):
+    """The parsed value of a recipe key, whichever of the run's argument classes holds it (None: none does)."""
+    for arguments in (run.training, run.model, run.finetune, run.script):
+        if hasattr(arguments, key):
+            return getattr(arguments, key)
+    return None
 
 
 def check_optimizer_installed(training, source: str) -> None:
@@ -670,6 +612,9 @@ DEEPSPEED_RECIPE_KEYS = {
     "gradient_accumulation_steps": "gradient_accumulation_steps",
     "gradient_clipping": "max_grad_norm",
 }
+# What accelerate puts in place of a key the JSON leaves out (DeepSpeedPlugin.__post_init__); the others follow the
+# recipe
+DEEPSPEED_UNSET = {"gradient_accumulation_steps": 1}
 # A DeepSpeed JSON's own blocks, and the recipe key each would replace: transformers then builds DeepSpeed's optimizer
 # or schedule instead of the recipe's, without a word.
 DEEPSPEED_BLOCKS = {"optimizer": "optim", "scheduler": "lr_scheduler_type"}
@@ -682,9 +627,11 @@ def check_deepspeed_agrees(run: RunConfig) -> None:
     config_file = asked_deepspeed_file()
     if not config_file:
         return
-    deepspeed = read_deepspeed_config(config_file)
+    written = read_deepspeed_config(config_file)
+    deepspeed = {**DEEPSPEED_UNSET, **written}
     training = run.training
-    values = [f"`{key}: {deepspeed[key]}` contradicts the recipe's `{recipe_key}: {getattr(training, recipe_key)}`"
+    values = [f"`{key}: {deepspeed[key]}`{'' if key in written else ' (left out: accelerate sets it)'} contradicts "
+              f"the recipe's `{recipe_key}: {getattr(training, recipe_key)}`"
               for key, recipe_key in DEEPSPEED_RECIPE_KEYS.items()
               if not _deepspeed_value_is(deepspeed.get(key, "auto"), getattr(training, recipe_key))]
     batch = training.per_device_train_batch_size * training.gradient_accumulation_steps * int(

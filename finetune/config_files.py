@@ -245,9 +245,18 @@ def read_deepspeed_config(config_file: str, accelerate_file: str | None = None) 
     if beside:
         raise fields_beside_deepspeed_file_refusal(accelerate_config_file(), config_file, beside)
     try:
-        return json.loads(path.read_text())
+        values = json.loads(path.read_text())
     except json.JSONDecodeError as error:
         raise UserError(f"{config_file}: not valid JSON at line {error.lineno}; fix the syntax there.") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{config_file}: not UTF-8 text; save it as UTF-8.") from None
+    if not isinstance(values, dict):
+        raise UserError(f"{config_file}: a DeepSpeed config is a JSON object of settings, not a "
+                        f"{type(values).__name__}; write it as one, as ds_configs/*.json are.")
+    if not isinstance(values.get("zero_optimization"), dict):
+        raise UserError(f"{config_file}: no `zero_optimization` object, which accelerate requires; add "
+                        f"\"zero_optimization\": {{\"stage\": 2}} (or the stage you want), as ds_configs/*.json have.")
+    return values
 
 
 FSDP_V1_REFUSAL = (  # under both launchers

@@ -131,10 +131,12 @@ def accelerate_command(argv: list[str]) -> list[str]:
     for flag in LAUNCHER_FLAGS:
         parser.add_argument(f"--{flag}")
     launcher, sft_args = parser.parse_known_args(argv)
-    for flag in ("num_processes", "num_machines"):
+    for flag, lowest, highest in (("num_processes", 1, None), ("num_machines", 1, None), ("machine_rank", 0, None),
+                                  ("main_process_port", 1, 65535)):
         value = getattr(launcher, flag)
-        if value is not None and not (value.isdigit() and int(value) >= 1):
-            raise UserError(f"command line: `--{flag} {value}` must be a whole number of at least 1; fix that flag.")
+        if value is not None and not (value.isdigit() and lowest <= int(value) <= (highest or int(value))):
+            bounds = f"from {lowest} to {highest}" if highest else f"of at least {lowest}"
+            raise UserError(f"command line: `--{flag} {value}` must be a whole number {bounds}; fix that flag.")
     nothing_configured = not launcher.config_file and not Path(default_config_file()).is_file()
     if launcher.config_file:
         launcher.config_file = check_accelerate_config(launcher.config_file)

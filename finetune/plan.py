@@ -37,6 +37,7 @@ import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from finetune import numbers
 from finetune.config_files import parse_overrides, read_foreign_keys, read_recipe, refuse_unknown_keys
 from finetune.errors import UserError
 from finetune.families import FAMILIES, config_values, family_of_type
@@ -344,6 +345,7 @@ def setup_from_recipe(values: dict, source: str = "recipe") -> Setup:
     if not model:
         raise UserError(f"{source}: `model_name_or_path` is not set; give a hub id or a local folder.")
     peft = _run_value(values, "use_peft", source, _as_bool)
+    numbers.check_numbers(lambda key: peft if key == "use_peft" else values.get(key, run_defaults().get(key)), source)
     four_bit = _run_value(values, "load_in_4bit", source, _as_bool)
     dtype = _run_value(values, "dtype", source) or "auto"  # the run loads with "auto" when the recipe empties it
     bf16 = _run_value(values, "bf16", source, _as_bool)

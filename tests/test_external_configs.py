@@ -403,3 +403,29 @@ def test_an_fsdp_file_wrapping_a_layer_class_the_model_lacks_is_refused_before_l
                                         r"meta-llama/Llama-3.2-1B-Instruct does not have \(its decoder layers: "
                                         "LlamaDecoderLayer\\); remove the field"):
         model.resolve_model_path(run)
+
+
+DEEPSPEED_FILES_REFUSED = [
+    # (the JSON's bytes, the words of the one sentence): each failed in accelerate or DeepSpeed, after loading
+    (b'[{"zero_optimization": {"stage": 2}}]', "a DeepSpeed config is a JSON object of settings, not a list"),
+    (b'{"zero_optimization": {"stage": 2}, "note": "\xff"}', "not UTF-8 text; save it as UTF-8"),
+    (b'{"train_micro_batch_size_per_gpu": "auto"}', "no `zero_optimization` object, which accelerate requires"),
+    (b'{"zero_optimization": {"stage": 2}}',  # accelerate reads no accumulation as 1, not "auto"
+     "`gradient_accumulation_steps: 1` (left out: accelerate sets it) contradicts the recipe's "
+     "`gradient_accumulation_steps: 2`"),
+]
+
+
+@pytest.mark.parametrize("content, words", DEEPSPEED_FILES_REFUSED, ids=[w[:30] for _, w in DEEPSPEED_FILES_REFUSED])
+def test_a_deepspeed_json_accelerate_or_deepspeed_would_fail_on_is_refused_naming_it(content, words, tmp_path,
+                                                                                     monkeypatch):
+    from finetune import config
+    from finetune.errors import UserError
+
+    json_file = tmp_path / "ds.json"
+    json_file.write_bytes(content)
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(json_file))
+    with pytest.raises(UserError) as refused:
+        config.check_deepspeed_agrees(json_run(True))
+    assert str(refused.value).startswith(f"{json_file}: ") and words in str(refused.value), str(refused.value)

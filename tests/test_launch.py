@@ -13,6 +13,7 @@ import torch
 
 from finetune import launcher, plan
 from finetune.config_files import read_recipe
+from finetune.errors import UserError
 from tests.helpers import ROOT, free_port, printed_setup
 
 FINETUNE = str(Path(sys.executable).with_name("finetune"))
@@ -127,3 +128,13 @@ def test_the_training_processes_get_the_launch_arguments_from_the_launcher_not_f
     arguments, config_file = json.loads(printed.stdout.strip().splitlines()[-1])
     assert arguments == ["--config_file", "mine.yaml", "--num_processes", "2", "sft.py", "--tiny"], printed.stderr
     assert config_file == "mine.yaml"
+
+
+@pytest.mark.parametrize("flag, value, bounds", [("num_processes", "0", "of at least 1"),
+                                                  ("machine_rank", "-1", "of at least 0"),
+                                                  ("main_process_port", "abc", "from 1 to 65535"),
+                                                  ("main_process_port", "70000", "from 1 to 65535")])
+def test_a_launcher_flag_out_of_its_range_is_refused_before_accelerate_sees_it(flag, value, bounds):
+    with pytest.raises(UserError) as refused:
+        launcher.accelerate_command([f"--{flag}", value, "--config", "recipes/llama-3.2-1b/full.yaml", "--tiny"])
+    assert str(refused.value) == f"command line: `--{flag} {value}` must be a whole number {bounds}; fix that flag."

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from finetune import plan as P
+from finetune.errors import UserError
 from finetune.config_files import parse_overrides, read_recipe
 from tests.helpers import ROOT
 
@@ -473,3 +474,19 @@ def test_planning_reads_the_runs_defaults_without_importing_torch_transformers_o
     result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=60,
                             check=False)
     assert result.stdout.strip() == "[]", result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("flags, sentence", [
+    (["--max_length", "-5"], "`max_length: -5` is the tokens per row and must be at least 1"),
+    (["--per_device_train_batch_size", "0"], "`per_device_train_batch_size: 0` must be a whole number of at least 1"),
+    (["--lora_r", "0"], "`lora_r: 0` is the adapters' rank and must be at least 1"),
+    (["--learning_rate", "nan"], "`learning_rate: nan` must be a finite number above 0"),
+    (["--max_steps", "0"], "`max_steps: 0` must be above 0, or -1 to train num_train_epochs"),
+])
+def test_the_planner_refuses_the_numbers_the_run_refuses_instead_of_planning_them(flags, sentence):
+    """`finetune plan` printed a launch command for each of these, which the run then refused (finetune/numbers.py
+    holds the one set of ranges)."""
+    with pytest.raises(UserError) as refused:
+        P.setup_from_recipe(P.recipe_with_flags("recipes/llama-3.2-1b/lora.yaml", flags),
+                               "recipes/llama-3.2-1b/lora.yaml")
+    assert str(refused.value).startswith(f"recipes/llama-3.2-1b/lora.yaml: {sentence}"), str(refused.value)
