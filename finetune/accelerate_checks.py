@@ -180,13 +180,9 @@ def _check_zero_stage(stage, written: str, source: str) -> None:
 def _check_deepspeed_json(file: str, source: str) -> None:
     """What a DeepSpeed JSON asks for that DeepSpeed would fail on after the model has loaded, or that this toolkit
     does not run (AutoTP's tensor parallelism)."""
-    values = read_deepspeed_config(file, source)
-    if not isinstance(values, dict):
-        raise UserError(f"{file}: a JSON {type(values).__name__}, not the object of DeepSpeed settings; write it as "
-                        f"{{\"zero_optimization\": {{\"stage\": 2}}, ...}} as ds_configs/*.json do.")
-    zero = values.get("zero_optimization")
-    if isinstance(zero, dict):
-        _check_zero_stage(zero.get("stage"), f"`zero_optimization.stage: {json.dumps(zero.get('stage'))}`", file)
+    values = read_deepspeed_config(file, source)  # an object with a zero_optimization object, or refused
+    zero = values["zero_optimization"]
+    _check_zero_stage(zero.get("stage"), f"`zero_optimization.stage: {json.dumps(zero.get('stage'))}`", file)
     tensor_parallel = values.get("tensor_parallel")
     size = tensor_parallel.get("autotp_size", 1) if isinstance(tensor_parallel, dict) else 1
     if not isinstance(size, int) or size > 1:

@@ -252,7 +252,8 @@ def read_deepspeed_config(config_file: str, accelerate_file: str | None = None) 
         raise UserError(f"{config_file}: not UTF-8 text; save it as UTF-8.") from None
     if not isinstance(values, dict):
         raise UserError(f"{config_file}: a DeepSpeed config is a JSON object of settings, not a "
-                        f"{type(values).__name__}; write it as one, as ds_configs/*.json are.")
+                        f"{type(values).__name__}; write it as one, e.g. {{\"zero_optimization\": {{\"stage\": 2}}, "
+                        f"...}} as ds_configs/*.json are.")
     if not isinstance(values.get("zero_optimization"), dict):
         raise UserError(f"{config_file}: no `zero_optimization` object, which accelerate requires; add "
                         f"\"zero_optimization\": {{\"stage\": 2}} (or the stage you want), as ds_configs/*.json have.")

@@ -21,8 +21,6 @@ RANGES = [
     ("max_steps", lambda value: value > 0 or value == -1, ("must be above 0, or -1 to train num_train_epochs "
                                                            "(transformers would otherwise train the epochs instead "
                                                            "without a word)")),
-    ("save_total_limit", lambda value: value >= 1, ("must be at least 1, or unset to keep every checkpoint "
-                                                    "(transformers would keep them all without a word)")),
     ("eval_samples_before_after", lambda value: value >= 0, "must be 0 (no scores) or more"),
     # the optimizer's and the schedule's, which torch checks only once the model is loaded, or never (NaN weights)
     ("warmup_steps", lambda value: math.isfinite(value) and value >= 0,

@@ -298,7 +298,7 @@ BAD_INPUTS = [
     ("DeepSpeed AutoTP tensor parallelism", lambda t: TINY, ["ds.json", "`tensor_parallel.autotp_size: 4`", "remove"],
      lambda t: [FINETUNE, "launch", "--config_file", str(accelerate_config(t, {**DS_AUTO, "tensor_parallel": {
          "autotp_size": 4}}))]),
-    ("DeepSpeed JSON that is a list", lambda t: TINY, ["ds.json", "a JSON list", "zero_optimization"],
+    ("DeepSpeed JSON that is a list", lambda t: TINY, ["ds.json", "not a list", "zero_optimization"],
      lambda t: [FINETUNE, "launch", "--config_file", str(accelerate_config(t, "[]"))]),
     # --- flags
     ("flag without its value", lambda t: [*TINY, "--output_dir", str(t / "new"), "--max_steps"],

@@ -134,7 +134,6 @@ NUMBERS_REFUSED_BEFORE_LOADING = [
     (["--weight_decay", "nan"], "`weight_decay: nan` must be a finite number"),
     (["--max_grad_norm", "nan"], "`max_grad_norm: nan` must be 0 or more"),
     (["--max_grad_norm", "-1"], "`max_grad_norm: -1.0` must be 0 or more"),
-    (["--save_total_limit", "0"], "`save_total_limit: 0` must be at least 1"),
     (["--eval_samples_before_after", "-1"], "`eval_samples_before_after: -1` must be 0"),
     (["--adam_epsilon", "-1"], "`adam_epsilon: -1.0` must be a finite number above 0"),
     (["--adam_beta2", "1"], "`adam_beta2: 1.0` is a decay rate"),
