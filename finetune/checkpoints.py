@@ -37,7 +37,7 @@ from pathlib import Path
 from transformers import TrainerCallback
 
 from finetune import outcome, patches
-from finetune.errors import UserError, say
+from finetune.errors import UserError, first_line, say
 
 MARKER = "finetune_checkpoint.json"
 FINAL_MARKER = "finetune_final.json"  # written last, after the final model: the run is finished
@@ -263,7 +263,7 @@ def save_failure_reason(error: BaseException, folder: str | Path | None = None) 
         free = _free_bytes(folder)
         if free is not None and free < 16 * 2**20:
             return f"{IO_ERRNOS[errno.ENOSPC]}: {free // 1024} KiB free"
-        return f"a write failed: {str(error).splitlines()[0] if str(error) else type(error).__name__}"
+        return f"a write failed: {first_line(error)}"
     return None
 
 

@@ -16,7 +16,7 @@ from functools import reduce
 import pyarrow.compute as pc
 from datasets import Dataset, concatenate_datasets
 
-from finetune.errors import UserError, say
+from finetune.errors import UserError, first_line, say
 
 TRL_COLUMNS = {"messages": ["messages"], "prompt-completion": ["prompt", "completion"], "text": ["text"]}
 # What TRL reads beside a format's own columns, row by row. Every other column is dropped before TRL sees the rows:
@@ -416,7 +416,7 @@ def mix(parts: list[tuple[str, Dataset, float | None]], seed: int, source: str) 
         mixed = concatenate_datasets(selected).shuffle(seed=seed)
     except (ValueError, TypeError) as error:
         raise UserError(
-            f"{source}: the mixture's sources hold differently typed rows ({str(error).splitlines()[0]}); "
+            f"{source}: the mixture's sources hold differently typed rows ({first_line(error)}); "
             f"make their turns the same shape."
         ) from None
     counts = {label: len(rows) for (label, _, _), rows in zip(parts, selected)}

@@ -24,6 +24,11 @@ class RunFinished(Exception):
 FINISHED_PREFIX = "[finetune] finished already: "  # how say_finished's line starts
 
 
+def first_line(error: Exception) -> str:
+    """Another library's error message as a clause of one of ours: its first line, or its type when it has none."""
+    return str(error).strip().splitlines()[0].rstrip(".") if str(error).strip() else type(error).__name__
+
+
 def say(message: str, stream=None) -> None:
     """The one way the toolkit tells the user something: one `[finetune] ` line from the main process (one line per
     run, not one per process), flushed at once (launchers and notebooks interleave several processes' output)."""

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from finetune import families
-from finetune.errors import UserError, say
+from finetune.errors import UserError, first_line, say
 
 SPECIAL_TOKEN = re.compile(r"<\|[^|<>\s]*\|>")
 
@@ -84,7 +84,7 @@ def load_checked(loadable: Loadable):
         model = AutoModelForCausalLM.from_pretrained(weights, device_map={"": device}, **kwargs)
     except OSError as error:
         raise UserError(
-            f"{weights}: the model could not be loaded ({str(error).splitlines()[0]}); without network pass a local "
+            f"{weights}: the model could not be loaded ({first_line(error)}); without network pass a local "
             f"model folder (--base for an adapter's base model)."
         ) from None
     model_loading.fix_generation_config(model, loadable.tokenizer)
@@ -236,7 +236,7 @@ def read_prompts(path: str) -> list[tuple[dict, list[dict]]]:
     """(the row to write back, the conversation to answer) for each prompt of a .jsonl (or .json) file of `messages`
     or `prompt` rows (a string or a list of turns, checked as training checks them; a last assistant turn is dropped),
     or of a text file, a line each."""
-    from finetune import data
+    from finetune import row_checks  # datasets and trl: only for a file of prompts
 
     file = Path(path)
     if file.is_dir():
@@ -269,7 +269,7 @@ def read_prompts(path: str) -> list[tuple[dict, list[dict]]]:
         if not isinstance(turns, list) or not turns or not all(isinstance(t, dict) and "role" in t for t in turns):
             raise UserError(f"{path}: {number} has no `messages` or `prompt` to answer; give each row "
                             f"{{\"prompt\": \"...\"}} or {{\"messages\": [{{\"role\": \"user\", \"content\": \"...\"}}]}}.")
-        problem = data.turns_problem(turns, "messages" if "messages" in row else "prompt")
+        problem = row_checks.turns_problem(turns, "messages" if "messages" in row else "prompt")
         if problem:  # a role or content the chat template would render as something else, without a word
             raise UserError(f"{path}: {number} {problem}.")
         prompts.append((row, turns))

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Mxfp4Config
 
 from finetune import checkpoints, mxfp4
 from finetune.config_files import blocked_folder
-from finetune.errors import UserError
+from finetune.errors import UserError, first_line
 from finetune.model import ADAPTER_CONFIG, check_model, load_adapter
 
 
@@ -28,7 +28,7 @@ def merge_adapter(adapter_dir: str, output_dir: str, base_model: str | None = No
     try:
         base = AutoModelForCausalLM.from_pretrained(base_model, **kwargs)
     except OSError as error:
-        raise UserError(f"{base_model}: the base model could not be loaded ({str(error).splitlines()[0]}); without "
+        raise UserError(f"{base_model}: the base model could not be loaded ({first_line(error)}); without "
                         f"network pass a local copy of it with --base_model.") from None
     merged = load_adapter(base, adapter_dir, base_model, "--base_model").merge_and_unload()
 

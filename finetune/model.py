@@ -18,7 +18,7 @@ from trl import get_peft_config, get_quantization_config
 from finetune import attention, checkpoints, cpu, families, mxfp4, tiny
 from finetune.config import RUN_RECORD, RunConfig
 from finetune.config_files import accelerate_config_file, requested_strategy
-from finetune.errors import UserError
+from finetune.errors import UserError, first_line
 
 # peft's PeftModel (peft_model.py) and TRL read the attribute transformers 5.2x renamed; the warning is theirs to fix
 warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
@@ -264,7 +264,7 @@ def load_model(run: RunConfig, model_path: str) -> PreTrainedModel:
         model = AutoModelForCausalLM.from_pretrained(model_path, **model_init_kwargs(run, model_path))
     except OSError as error:
         raise UserError(
-            f"{model_path}: the model could not be loaded ({str(error).splitlines()[0]}); without network pass "
+            f"{model_path}: the model could not be loaded ({first_line(error)}); without network pass "
             f"a local model folder to --model_name_or_path, or add --tiny."
         ) from None
     model.config.use_cache = False

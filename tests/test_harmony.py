@@ -8,7 +8,7 @@ import json
 import pytest
 from datasets import Dataset
 
-from finetune import config, data, inference, model
+from finetune import config, inference, model, row_checks
 from finetune import trainer as training
 from finetune.data import load_datasets
 from tests.helpers import ROOT, run_sft_in_process
@@ -103,7 +103,7 @@ def test_recipe_chat_template_kwargs_give_way_to_a_rows_own():
         {"messages": [{"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}],
          "chat_template_kwargs": {"reasoning_effort": None}},
     ])
-    given = data.with_chat_template_kwargs(rows, {"reasoning_effort": "high", "model_identity": "You are tiny."})
+    given = row_checks.with_chat_template_kwargs(rows, {"reasoning_effort": "high", "model_identity": "You are tiny."})
     assert given[0]["chat_template_kwargs"] == {"reasoning_effort": "low", "model_identity": "You are tiny."}
     assert given[1]["chat_template_kwargs"] == {"reasoning_effort": "high", "model_identity": "You are tiny."}
 
@@ -120,11 +120,11 @@ def test_traces_the_template_drops_or_max_length_cuts_are_named(capsys):
     ]
     rows = Dataset.from_list([{"messages": harmony_rows()[0]["messages"]}, {"messages": earlier_trace}])
     capsys.readouterr()
-    data.check_reasoning_traces(rows, "rows.jsonl", tokenizer, max_length=2048)
+    row_checks.check_reasoning_traces(rows, "rows.jsonl", tokenizer, max_length=2048)
     said = capsys.readouterr().out
     assert "rows.jsonl: rows 2 have reasoning traces on earlier assistant turns, which the chat template drops" in said
     assert "longer than max_length" not in said
-    data.check_reasoning_traces(rows, "rows.jsonl", tokenizer, max_length=100)
+    row_checks.check_reasoning_traces(rows, "rows.jsonl", tokenizer, max_length=100)
     assert "rows.jsonl: rows 1, 2 are longer than max_length 100: TRL cuts their end" in capsys.readouterr().out
 
 

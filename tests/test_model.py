@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from finetune import config, data, model
+from finetune import config, model, row_checks
 from finetune import trainer as training
 from finetune.data import load_datasets
 from finetune.errors import UserError
@@ -83,7 +83,7 @@ def test_truncation_off_refuses_exactly_the_rows_trl_would_cut(tmp_path, data_fo
     train_set, _ = load_datasets(run.script, run.training)
     trainer = training.build_trainer(run, model.load_model(run, model_path), tokenizer, train_set, None)
     trl_lengths = [len(example["input_ids"]) for example in trainer.train_dataset]
-    assert [data._token_count(row, tokenizer) for row in train_set] == trl_lengths
+    assert [row_checks._token_count(row, tokenizer) for row in train_set] == trl_lengths
     longest = max(trl_lengths)
     run.training.max_length = longest
     load_datasets(run.script, run.training, tokenizer)
