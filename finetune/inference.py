@@ -2,6 +2,7 @@
 prompts, one or a file of them in batches. Scoring is finetune/evaluation.py's.
 """
 
+import contextlib
 import json
 import re
 import sys
@@ -212,17 +213,36 @@ def generate_answers(model, tokenizer, conversations: list[list[dict]], batch_si
     answers = []
     was_training = model.training
     model.eval()
-    for start in range(0, len(conversations), batch_size):
-        inputs = tokenizer.apply_chat_template(
-            conversations[start : start + batch_size], add_generation_prompt=True, return_dict=True,
-            return_tensors="pt", padding=True, tokenizer_kwargs={"padding_side": "left"},
-            **(chat_template_kwargs or {}),
-        ).to(model.device)
-        with torch.no_grad():
-            output = model.generate(**inputs, **generation)
-        answers += [answer_text(tokenizer, row[inputs["input_ids"].shape[1] :]) for row in output]
+    with attention_for_generation(model):
+        for start in range(0, len(conversations), batch_size):
+            inputs = tokenizer.apply_chat_template(
+                conversations[start : start + batch_size], add_generation_prompt=True, return_dict=True,
+                return_tensors="pt", padding=True, tokenizer_kwargs={"padding_side": "left"},
+                **(chat_template_kwargs or {}),
+            ).to(model.device)
+            with torch.no_grad():
+                output = model.generate(**inputs, **generation)
+            answers += [answer_text(tokenizer, row[inputs["input_ids"].shape[1] :]) for row in output]
     model.train(was_training)
     return answers
+
+
+@contextlib.contextmanager
+def attention_for_generation(model):
+    """Generate with eager attention where the model trains with flex_attention: inductor finds no kernel for flex
+    attention's decoding path with GPT-OSS's sinks (torch 2.11 on an H200: NoValidChoicesError at the first
+    generate, which stopped the GPT-OSS recipe at its held-out scores before step 1). Eager computes the same
+    attention, sinks included; the training's attention is put back after."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    trained_with = getattr(base.config, "_attn_implementation", None)  # private: see finetune/patches.py
+    if trained_with != "flex_attention":
+        yield
+        return
+    base.set_attn_implementation("eager")
+    try:
+        yield
+    finally:
+        base.set_attn_implementation(trained_with)
 
 
 def answer(model, tokenizer, prompt: str, max_new_tokens: int = 24, chat_template_kwargs: dict | None = None) -> str:

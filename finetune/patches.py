@@ -95,8 +95,10 @@ says what to revisit and which test fails first.
   targets: transformers 5.17 and 5.25.
   guarded by: nothing fails on a rename (a second, identical hook would be registered);
   test_compile_once.py::test_compiled_recipes_compile_once_for_rows_of_every_length checks what the hook is for.
-- `model.config._attn_implementation` (finetune/evaluation.py, `_batch_size`)
-  does: reads which attention the loaded model runs: a model trained with `torch_varlen` generates one row at a time.
+- `model.config._attn_implementation` (finetune/evaluation.py, `_batch_size`; finetune/inference.py,
+  `attention_for_generation`)
+  does: reads which attention the loaded model runs: a model trained with `torch_varlen` generates one row at a time,
+  one trained with `flex_attention` generates with eager attention.
   why: transformers keeps the choice in this private property only.
   targets: transformers 5.17 and 5.25 (a property of `PreTrainedConfig`).
   guarded by: no test yet; on a rename getattr's None would batch 16 left-padded rows through `torch_varlen`.

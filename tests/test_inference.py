@@ -195,3 +195,20 @@ def test_prompts_in_json_of_any_spelling_are_read_as_rows_not_as_lines_of_text(n
     path.write_text(text, encoding="utf-8")
     conversations = [turns for _, turns in inference.read_prompts(str(path))]
     assert conversations == [[{"role": "user", "content": "Repeat: red fish"}], [{"role": "user", "content": "Hi"}]]
+
+
+def test_a_model_trained_with_flex_attention_generates_with_eager_and_gets_its_attention_back():
+    """inductor has no flex-attention decoding kernel for GPT-OSS's sinks (torch 2.11, H200): the held-out scores
+    stopped the GPT-OSS recipe before step 1. Generation runs eager; training continues with flex."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from finetune.inference import attention_for_generation
+    from finetune.tiny import build_tiny_tokenizer, tiny_config
+
+    model = AutoModelForCausalLM.from_config(tiny_config("gpt-oss", build_tiny_tokenizer("gpt-oss")),
+                                             attn_implementation="flex_attention")
+    adapted = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"]))
+    with attention_for_generation(adapted):
+        assert model.config._attn_implementation == "eager"
+    assert model.config._attn_implementation == "flex_attention"
