@@ -15,7 +15,7 @@ from pathlib import Path
 from finetune import families
 from finetune.data_formats import trl_format
 from finetune.errors import say
-from finetune.inference import generate_answers, no_router_logits
+from finetune.inference import attention_for_generation, generate_answers, no_router_logits
 
 SCORES_FILE = "finetune_scores.json"
 # Generated tokens beyond the longest reference answer: room for a template's channel header and a little more.
@@ -116,9 +116,10 @@ def score(model, tokenizer, conversations: list[list[dict]], batch_size: int = 1
     """Loss and perplexity on the assistant tokens; exact match and token F1 of the regenerated last answer."""
     references = [turns[-1]["content"] for turns in conversations]
     longest = max(len(tokenizer(reference, add_special_tokens=False)["input_ids"]) for reference in references)
-    answers = generate_answers(model, tokenizer, [turns[:-1] for turns in conversations], batch_size,
-                               max_new_tokens=min(max_new_tokens, longest + ANSWER_SLACK_TOKENS))
-    loss = assistant_loss(model, tokenizer, conversations, batch_size)
+    with attention_for_generation(model):  # the loss's forward too: flex's kernels fail on GPT-OSS's sinks there
+        answers = generate_answers(model, tokenizer, [turns[:-1] for turns in conversations], batch_size,
+                                   max_new_tokens=min(max_new_tokens, longest + ANSWER_SLACK_TOKENS))
+        loss = assistant_loss(model, tokenizer, conversations, batch_size)
     return {
         "rows": len(conversations),
         "loss": round(loss, 4),
