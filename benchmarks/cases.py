@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from finetune.config_files import read_recipe
+from finetune.config.files import read_recipe
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 

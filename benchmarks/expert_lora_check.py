@@ -44,11 +44,11 @@ def trainer_for(overrides: list[str], tiny: bool, layers: int | None, make_rows,
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
 
-    from finetune import tiny as tiny_models
     from finetune.families import load_architecture
+    from finetune.models import tiny as tiny_models
+    from finetune.run.model import model_init_kwargs
+    from finetune.run.trainer import build_trainer
     from finetune.sft import configure
-    from finetune.model import model_init_kwargs
-    from finetune.trainer import build_trainer
 
     output_dir = tempfile.mkdtemp(prefix="expert-lora-check-")
     argv = ["--config", str(RECIPE), "--output_dir", output_dir, "--max_steps", str(steps), "--max_length", str(seq),
@@ -78,7 +78,7 @@ def trainer_for(overrides: list[str], tiny: bool, layers: int | None, make_rows,
 
 
 def grouped_modules(trainer) -> int:
-    from finetune.expert_lora import GroupedExpertsLora
+    from finetune.models.expert_lora import GroupedExpertsLora
 
     return sum(isinstance(module, GroupedExpertsLora) for module in trainer.model.modules())
 

@@ -24,7 +24,7 @@ import traceback
 from pathlib import Path
 
 from benchmarks.report import GIB, memory_markdown, write_memory_report
-from finetune import plan as planner  # json only: cheap
+from finetune.planner import architecture, memory, setup
 
 ROOT = Path(__file__).resolve().parent.parent
 MEASURE_SCRIPT = ROOT / "scripts" / "measure_memory.py"
@@ -77,9 +77,9 @@ def recipe_values(case: dict) -> dict:
     return values
 
 
-def estimate_for(case: dict, architecture: planner.Architecture | None = None) -> planner.Estimate:
-    architecture = architecture or planner.architecture_of(case["arch"])
-    return planner.estimate(architecture, planner.setup_from_recipe(recipe_values(case)), "ddp", 1)
+def estimate_for(case: dict, architecture: architecture.Architecture | None = None) -> memory.Estimate:
+    architecture = architecture or architecture.architecture_of(case["arch"])
+    return memory.estimate(architecture, setup.setup_from_recipe(recipe_values(case)), "ddp", 1)
 
 
 def measure(case: dict) -> dict:
@@ -92,7 +92,7 @@ def measure(case: dict) -> dict:
     from benchmarks import models
     from benchmarks.report import versions
     from benchmarks.runner import StepTimer
-    from finetune.tiny import build_tiny_tokenizer
+    from finetune.models.tiny import build_tiny_tokenizer
 
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
@@ -156,7 +156,7 @@ def measure(case: dict) -> dict:
             gpu=torch.cuda.get_device_name(),
         )
     row["versions"] = versions(device)
-    estimate = estimate_for(case, planner.architecture_from_config(config.to_dict(), case["arch"]))
+    estimate = estimate_for(case, architecture.architecture_from_config(config.to_dict(), case["arch"]))
     row["estimated_allocated_gib"] = estimate.allocated / GIB
     row["estimated_reserved_gib"] = estimate.reserved / GIB
     row["estimate_parts_gib"] = {k: round(v / GIB, 3) for k, v in estimate.parts.items()}

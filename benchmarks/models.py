@@ -16,8 +16,8 @@ def family(arch: str) -> str:
 
 def architecture(arch: str, tokenizer, tiny: bool, layers: int | None = None):
     """The transformers config of `arch` (with `tiny`, its family's tiny model), cut to its first `layers` layers."""
-    from finetune import tiny as tiny_models
     from finetune.families import load_architecture
+    from finetune.models import tiny as tiny_models
 
     if tiny:
         return tiny_models.tiny_config(family(arch), tokenizer)

@@ -161,7 +161,7 @@ def tiny_checkpoint() -> Path:
     import safetensors.torch
     from transformers import AutoConfig
 
-    from finetune import tiny
+    from finetune.models import tiny
 
     source = tiny.tiny_model_folder("gpt-oss")
     folder = source.parent / f"{source.name}-mxfp4"

@@ -16,7 +16,11 @@ import resource
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
+
+from finetune.planner import architecture, memory, setup
+from finetune.run import model
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -63,9 +67,9 @@ def measure(folder: Path, device: str, device_map: bool) -> dict:
     from transformers import AutoModelForCausalLM
 
     from benchmarks import mxfp4_checkpoints
-    from finetune import config, model
+    from finetune.run import arguments
 
-    run = config.parse_args(["--config", str(RECIPE), "--model_name_or_path", str(folder), "--output_dir", "/tmp/unused"])
+    run = arguments.parse_args(["--config", str(RECIPE), "--model_name_or_path", str(folder), "--output_dir", "/tmp/unused"])
     kwargs = model.model_init_kwargs(run, str(folder))
     kwargs["dtype"] = torch.bfloat16  # the recipe's dtype (a CPU run trains in float32; the loading path is the same)
     kwargs["attn_implementation"] = "eager"  # loading only: the attention kernel does not change what is loaded
@@ -100,12 +104,11 @@ def measure(folder: Path, device: str, device_map: bool) -> dict:
 
 
 def planner_weights_gib(layers: int) -> float:
-    from finetune import plan
-    from finetune.config_files import read_recipe
+    from finetune.config.files import read_recipe
 
-    architecture = plan.architecture_of("openai/gpt-oss-20b")
-    architecture = plan.replace(architecture, layers=layers) if layers != architecture.layers else architecture
-    return round(plan.frozen_weight_bytes(architecture, plan.setup_from_recipe(read_recipe(str(RECIPE)))) / GIB, 3)
+    model = architecture.architecture_of("openai/gpt-oss-20b")
+    model = replace(model, layers=layers) if layers != model.layers else model
+    return round(memory.frozen_weight_bytes(model, setup.setup_from_recipe(read_recipe(str(RECIPE)))) / GIB, 3)
 
 
 def main() -> None:

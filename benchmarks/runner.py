@@ -34,7 +34,7 @@ import torch
 from benchmarks import models
 from benchmarks.cases import RECIPES, Case, Variant, gpu_cases, process_groups, select, tiny_cases
 from benchmarks.report import GIB, markdown, versions, write_report
-from finetune import attention
+from finetune.models import attention
 
 PEAK_FLOPS = 790e12  # bf16 dense matmul measured on one H200
 BENCH_SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench.py"
@@ -240,12 +240,12 @@ def memory_capped(cap_gib: float | None, device: str):
 def planned_gib(case: Case, variant: Variant, config) -> float:
     """finetune.plan's estimate of the allocated peak of a recipe variant, as `finetune plan --config RECIPE FLAGS`
     makes it, for this case's architecture and sequence length."""
-    from finetune import plan as planner
-    from finetune.config_files import parse_overrides, read_recipe
+    from finetune.config.files import parse_overrides, read_recipe
+    from finetune.planner import architecture, memory, setup
 
     values = read_recipe(str(RECIPES / variant.recipe), {"max_length": case.seq} | parse_overrides(variant.overrides))
-    architecture = planner.architecture_from_config(config.to_dict(), case.arch)
-    return planner.estimate(architecture, planner.setup_from_recipe(values), "ddp", 1).allocated / GIB
+    architecture = architecture.architecture_from_config(config.to_dict(), case.arch)
+    return memory.estimate(architecture, setup.setup_from_recipe(values), "ddp", 1).allocated / GIB
 
 
 def common_flags(steps: int, output_dir: str) -> list[str]:
@@ -257,8 +257,8 @@ def finetune_run_config(variant: Variant, steps: int, output_dir: str, seq: int,
     """The recipe configured as a run configures it (finetune.sft.configure), and the command line that runs it. A
     tiny run is on the CPU even beside a GPU: it gets the values a recipe gets on a machine without one (the command
     line's flags still win)."""
-    from finetune.config_files import read_recipe
-    from finetune.cpu import cpu_overrides
+    from finetune.config.files import read_recipe
+    from finetune.models.cpu import cpu_overrides
 
     argv = ["--config", str(RECIPES / variant.recipe), *common_flags(steps, output_dir), *variant.overrides]
     if "--max_length" not in variant.overrides and seq != 2048:
@@ -297,9 +297,9 @@ def rows_for(case: Case, rows_per_step: int, steps: int, vocab: int, tiny: bool)
 def run_variant(case: Case, variant: Variant, out_dir: Path, tiny: bool, layers: int | None = None) -> dict:
     from peft import LoraConfig
 
-    from finetune import tiny as tiny_models
-    from finetune.model import lora_config as recipe_lora_config
-    from finetune.model import model_init_kwargs
+    from finetune.models import tiny as tiny_models
+    from finetune.run.model import lora_config as recipe_lora_config
+    from finetune.run.model import model_init_kwargs
 
     device = "cpu" if tiny else "cuda"
     dtype = torch.float32 if tiny else torch.bfloat16
@@ -324,7 +324,7 @@ def run_variant(case: Case, variant: Variant, out_dir: Path, tiny: bool, layers:
         attn = variant.model.get("attn_implementation", "sdpa")
         experts = variant.model.get("experts_implementation")
         if tiny:
-            from finetune.cpu import CPU_ATTENTION, CPU_EXPERTS
+            from finetune.models.cpu import CPU_ATTENTION, CPU_EXPERTS
 
             attn, experts = CPU_ATTENTION.get(attn, attn), CPU_EXPERTS.get(experts, experts)
         peft_config = LoraConfig(task_type="CAUSAL_LM", **variant.lora) if variant.lora else None
@@ -362,7 +362,7 @@ def run_variant(case: Case, variant: Variant, out_dir: Path, tiny: bool, layers:
     model = models.build_model(config, attn, experts, dtype, device)
     dataset = models.make_dataset(rows)
     if variant.recipe:
-        from finetune.trainer import build_trainer
+        from finetune.run.trainer import build_trainer
 
         trainer = build_trainer(run, model, tokenizer, dataset, None)
     else:
@@ -430,8 +430,8 @@ def numerics_check(out_dir: Path, tiny: bool, steps: int = 20) -> dict:
     relative difference from the plain one."""
     from trl import SFTConfig, SFTTrainer
 
-    from finetune import tiny as tiny_models
-    from finetune.compilation import compile_per_layer
+    from finetune.models import tiny as tiny_models
+    from finetune.models.compilation import compile_per_layer
 
     device = "cpu" if tiny else "cuda"
     tokenizer = tiny_models.build_tiny_tokenizer("llama")

@@ -57,8 +57,8 @@ def write_llama(name: str, folder: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from finetune import tiny
     from finetune.families import load_architecture
+    from finetune.models import tiny
 
     tokenizer = tiny.build_tiny_tokenizer("llama")
     config = load_architecture(ARCHITECTURES[name])
@@ -76,8 +76,8 @@ def write_gpt_oss(folder: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     from benchmarks import mxfp4_checkpoints
-    from finetune import tiny
     from finetune.families import load_architecture
+    from finetune.models import tiny
 
     tokenizer = tiny.build_tiny_tokenizer("gpt-oss")
     config = load_architecture("gpt-oss-20b")

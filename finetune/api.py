@@ -103,7 +103,7 @@ def launch(config: str | os.PathLike | None = None, num_processes: int | None = 
     """Train as `finetune launch [--config_file ACCELERATE_CONFIG] [--num_processes N] --config CONFIG ...`: the
     accelerate config checked first, the processes' output shown here, and back when they finish. A user mistake
     (in any process) raises UserError with its sentence; any other failure raises RuntimeError."""
-    from finetune import launcher
+    from finetune.commands import launch as launcher
 
     launcher_flags = []
     if accelerate_config is not None:

@@ -29,6 +29,12 @@ def first_line(error: Exception) -> str:
     return str(error).strip().splitlines()[0].rstrip(".") if str(error).strip() else type(error).__name__
 
 
+def one_sentence(error: Exception) -> str:
+    """Another library's message as a clause of ours: on one line, ending in a full stop."""
+    text = " ".join(str(error).split())
+    return text if text.endswith(".") else text + "."
+
+
 def say(message: str, stream=None) -> None:
     """The one way the toolkit tells the user something: one `[finetune] ` line from the main process (one line per
     run, not one per process), flushed at once (launchers and notebooks interleave several processes' output)."""

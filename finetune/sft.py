@@ -9,28 +9,31 @@ With no arguments it trains the tiny Llama on the bundled sample data (finetune/
 
 from __future__ import annotations
 
-from finetune import config, data, model
-from finetune import trainer as training
-from finetune.config import RunConfig
+from finetune.checks import model_folder, relaunch
+from finetune.checks import recipe as recipe_checks
+from finetune.data import load as data
+from finetune.run import arguments, model
+from finetune.run import trainer as training
+from finetune.run.arguments import RunConfig
 
 
 def configure(argv: list[str] | None = None) -> RunConfig:
     """The recipe and flags parsed, the process set up for them, every check that needs no model: before any load."""
-    run = config.parse_args(argv)
-    config.apply_to_process(run)
-    config.check(run)
+    run = arguments.parse_args(argv)
+    arguments.apply_to_process(run)
+    recipe_checks.check(run)
     return run
 
 
 def prepare(argv: list[str] | None = None):
     """Configure, then load: the run, its trainer ready to train, and the tokenizer."""
     run = configure(argv)
-    model_path = model.resolve_model_path(run)
+    model_path = model_folder.resolve_model_path(run)
     tokenizer = model.load_tokenizer(model_path, run.training.assistant_only_loss)
-    model.check_lora_targets(run, model_path)
+    model_folder.check_lora_targets(run, model_path)
     train_set, eval_set = data.load_datasets(run.script, run.training, None if run.finetune.truncation else tokenizer,
                                              run.finetune, record=run.data_sources, tokenizer=tokenizer)
-    config.check_data_unchanged(run, train_set)
+    relaunch.check_data_unchanged(run, train_set)
     trainer = training.build_trainer(run, model.load_model(run, model_path), tokenizer, train_set, eval_set)
     return run, trainer, tokenizer
 

@@ -42,7 +42,7 @@ def printed_setup(stdout: str) -> dict:
 def run_sft_in_process(args: list[str], capfd, monkeypatch) -> subprocess.CompletedProcess:
     """`python scripts/sft.py ARGS`, run in this process so that the imports are paid once: its exit code and what
     it printed. For refusals only: loading a model fails the test, since every refusal must come before it."""
-    from finetune import model
+    from finetune.run import model
 
     def load_model(*_, **__):
         raise AssertionError("a model was loaded: the input was not refused before loading")

@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from finetune.checkpoints import PREEMPTED_EXIT_CODE, checkpoint_problem
+from finetune.run_folder import PREEMPTED_EXIT_CODE, checkpoint_problem
 from tests.helpers import ACCELERATE, ROOT, free_port
 
 SEED = 20260601  # the kill positions are drawn from this: CI kills at the same places every time
@@ -60,7 +60,8 @@ def kill():
 
 import safetensors.torch
 import transformers
-from finetune import checkpoints
+from finetune.run import saving
+from finetune import run_folder
 Trainer = transformers.Trainer
 if kind == "mid_step":
     original_training_step = Trainer.training_step
@@ -103,28 +104,28 @@ if kind == "final_enospc":  # the final model's write runs out of space half way
     original_save_model = Trainer.save_model
     def save_model(self, output_dir=None, *args, **kwargs):
         original_save_model(self, output_dir, *args, **kwargs)
-        if str(output_dir).endswith(checkpoints.FINAL_ASIDE):
+        if str(output_dir).endswith(saving.FINAL_ASIDE):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.path.join(output_dir, "adapter_model.safetensors"))
     Trainer.save_model = save_model
 if kind == "plot_enospc":  # the disk fills up after the final model is in place
-    from finetune import trainer
+    from finetune.run import trainer
     def save_loss_plot(log_history, path):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
     trainer.save_loss_plot = save_loss_plot
 if kind == "before_marker":
-    original_write_marker = checkpoints.write_marker
+    original_write_marker = run_folder.write_marker
     def write_marker(folder, at_step, world_size):
         if at_step == step:
             kill()
         return original_write_marker(folder, at_step, world_size)
-    checkpoints.write_marker = write_marker
+    run_folder.write_marker = write_marker
 if kind == "before_rotation":
-    original_rotate = checkpoints.rotate
+    original_rotate = run_folder.rotate
     def rotate(output_dir, *args, **kwargs):
-        if (__import__("pathlib").Path(output_dir) / f"checkpoint-{step}" / checkpoints.MARKER).exists():
+        if (__import__("pathlib").Path(output_dir) / f"checkpoint-{step}" / run_folder.MARKER).exists():
             kill()
         return original_rotate(output_dir, *args, **kwargs)
-    checkpoints.rotate = rotate
+    run_folder.rotate = rotate
 sys.argv = [os.environ["SFT_SCRIPT"], *sys.argv[1:]]
 runpy.run_path(os.environ["SFT_SCRIPT"], run_name="__main__")
 '''

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
-from finetune import model
+from finetune.checks import model_folder
 from finetune.errors import exit_on_user_error
 from finetune.sft import prepare  # the same parse, check and load as a real run
 
@@ -109,7 +109,7 @@ def measure(trainer, model_path: str) -> dict:
 def main(argv: list[str] | None = None) -> None:
     run, trainer, _ = prepare(argv)
     trainer.train()
-    report = measure(trainer, model.resolve_model_path(run))
+    report = measure(trainer, model_folder.resolve_model_path(run))
     Path(trainer.args.output_dir, f"sharding-probe-rank{report['rank']}.json").write_text(json.dumps(report))
     trainer.accelerator.wait_for_everyone()
 

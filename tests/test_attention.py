@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from finetune import attention
+from finetune.models import attention
 
 HEADS, KV_HEADS, DIM = 4, 2, 8
 

@@ -9,10 +9,12 @@ import math
 import pytest
 import yaml
 
-from finetune import config, cpu, data
-from finetune.axolotl_recipes import read_axolotl_recipe
-from finetune.config_files import read_recipe
-from finetune.plan import recipe_with_flags, setup_from_recipe
+from finetune.config.axolotl import read_axolotl_recipe
+from finetune.config.files import read_recipe
+from finetune.data import load as data
+from finetune.models import cpu
+from finetune.planner.setup import recipe_with_flags, setup_from_recipe
+from finetune.run import arguments
 from tests.helpers import write
 from tests.test_bad_inputs import check_bad_input, with_keys
 from tests.test_external_recipes import EXTERNAL, SAMPLE, name, run_value
@@ -55,7 +57,7 @@ def expected_settings(written: dict) -> dict:
 @pytest.mark.parametrize("recipe_file", RUNNABLE, ids=name)
 def test_every_axolotl_key_with_a_meaning_here_reaches_the_run_under_that_name(recipe_file, capsys):
     written = yaml.safe_load(recipe_file.read_text())
-    run = config.parse_args(["--config", str(recipe_file)])
+    run = arguments.parse_args(["--config", str(recipe_file)])
     printed = capsys.readouterr().out
     expected = expected_settings(written)
     for key in cpu.cpu_overrides(expected):  # float32 and portable kernels on this CPU
@@ -98,7 +100,7 @@ def test_axolotl_conversation_and_alpaca_rows_load_as_messages_with_its_validati
               "datasets": [{"path": str(tmp_path / "dialogs.jsonl"), "type": "chat_template",
                             "field_messages": "dialog", "message_property_mappings": sharegpt_turns},
                            {"path": str(tmp_path / "alpaca.jsonl"), "type": "alpaca"}]}
-    run = config.parse_args(["--config", str(write(tmp_path / "axolotl.yaml", yaml.safe_dump(recipe))),
+    run = arguments.parse_args(["--config", str(write(tmp_path / "axolotl.yaml", yaml.safe_dump(recipe))),
                              "--output_dir", str(tmp_path / "out")])
     assert run.finetune.dataset_mixture["datasets"][0]["columns"] == {"dialog": "conversations"}
     assert (run.training.max_length, run.training.per_device_train_batch_size) == (512, 1)  # axolotl's defaults
@@ -113,7 +115,7 @@ def test_an_axolotl_recipe_changed_as_its_refusal_says_is_read(tmp_path):
     fixed = LIGER_FSDP.read_text().replace("chat_template: llama3", "chat_template: tokenizer_default").replace(
         "split: train[:20%]", "split: train")
     fixed = fixed[:fixed.index("fsdp:")] + fixed[fixed.index("special_tokens:"):]
-    run = config.parse_args(["--config", str(write(tmp_path / "fixed.yaml", fixed)), "--output_dir", str(tmp_path)])
+    run = arguments.parse_args(["--config", str(write(tmp_path / "fixed.yaml", fixed)), "--output_dir", str(tmp_path)])
     source = run.finetune.dataset_mixture["datasets"][0]
     assert (source["path"], source["split"], source.get("columns")) == ("mlabonne/FineTome-100k", "train", None)
     assert run.training.eos_token == "<|eot_id|>" and run.training.eval_steps == 0.5

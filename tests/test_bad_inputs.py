@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from finetune import cli
 from tests.helpers import ACCELERATE, ROOT, folder_digest, free_port, run_sft_in_process, write
 
 FINETUNE = str(Path(sys.executable).with_name("finetune"))
@@ -94,7 +95,7 @@ def finetune_launch(config_text: str):
 
 def run_finetune_launch_in_process(command: list[str], arguments: list[str], capfd, monkeypatch):
     """`finetune launch ...` in this process; handing over to accelerate would fail the test (a refusal comes first)."""
-    from finetune import cli, launcher
+    from finetune.commands import launch as launcher
 
     def run_and_report(*_):
         raise AssertionError("finetune launch started accelerate instead of refusing the config file")
@@ -325,8 +326,9 @@ def run(arguments: list[str], launcher: list[str]) -> subprocess.CompletedProces
 def existing_run(folder: Path, arguments: list[str]) -> Path:
     """An output folder holding a run of the same identity (so that it would be resumed, not refused as another
     run's), with a checkpoint and weights: no bad launch may change a byte of it."""
-    from finetune.config import parse_args, run_identity
+    from finetune.checks.relaunch import run_identity
     from finetune.errors import UserError
+    from finetune.run.arguments import parse_args
 
     try:
         identity = run_identity(parse_args([*arguments, "--output_dir", str(folder)]))
@@ -407,7 +409,7 @@ def test_finetune_command_numbers_out_of_range_are_refused_before_anything_runs(
 def test_generate_refuses_a_bad_prompts_file_or_out_folder_before_loading_a_model(tmp_path, capsys, monkeypatch):
     """`generate --out` into a missing folder failed after generating every answer; a prompts file that is not UTF-8
     was a traceback."""
-    from finetune import cli, inference
+    from finetune.run import generation as inference
 
     monkeypatch.setattr(inference, "load_trained", lambda *_: pytest.fail("a model was loaded before the refusal"))
     prompts = write(tmp_path / "prompts.txt", "Reverse: dog tree hat\n")

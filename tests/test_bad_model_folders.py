@@ -15,9 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from finetune import checkpoints, cli, evaluation, tiny
-from finetune import model as model_loading
-from finetune.config import RUN_RECORD
+from finetune import cli
+from finetune import run_folder as folder_files
+from finetune.checks import model_folder
+from finetune.models import tiny
+from finetune.run import evaluation
+from finetune.run import model as model_loading
+from finetune.run_folder import RUN_RECORD
 from tests.helpers import ROOT, folder_digest, write
 from tests.test_bad_inputs import FINETUNE, FULL, check_bad_input, rows_file, write_bytes
 
@@ -63,9 +67,9 @@ def run_folder(model: Path, folder: Path, final: bool, checkpoint_steps=(1, 2), 
         write(checkpoint / "trainer_state.json", json.dumps({"global_step": step}))
         write(checkpoint / "optimizer.pt", "state")
         if step in complete_steps:
-            checkpoints.write_marker(checkpoint, step, 1)
+            folder_files.write_marker(checkpoint, step, 1)
     if final:
-        checkpoints.write_final_marker(folder, checkpoint_steps[-1], {"max_steps": checkpoint_steps[-1]})
+        folder_files.write_final_marker(folder, checkpoint_steps[-1], {"max_steps": checkpoint_steps[-1]})
     return folder
 
 
@@ -261,7 +265,7 @@ def test_merge_writes_the_merged_model_aside_then_in_place_and_it_loads_without_
     assert cli.main(["merge", folders["finished LoRA run"], str(merged)]) == 0, capfd.readouterr().err[-3000:]
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {path.name for path in merged.iterdir()}
     assert [path.name for path in tmp_path.iterdir()] == ["merged"], "the folder written aside is left behind"
-    model_loading.check_model(str(merged), "OUTPUT_DIR")
+    model_folder.check_model(str(merged), "OUTPUT_DIR")
 
 
 def test_held_out_scores_work_with_the_plain_llama_template_of_assistant_only_loss_false(folders):

@@ -67,7 +67,7 @@ def test_qlora_under_a_sharding_config_is_refused_by_the_real_launcher(tmp_path)
 
 
 def test_on_cpu_the_recipe_compiles_nothing_unless_the_command_line_asks_and_the_warning_says_which(capsys):
-    from finetune.config import parse_args
+    from finetune.run.arguments import parse_args
 
     recipe = str(ROOT / "recipes" / "gpt-oss-20b" / "lora.yaml")
     capsys.readouterr()
@@ -79,7 +79,7 @@ def test_on_cpu_the_recipe_compiles_nothing_unless_the_command_line_asks_and_the
 
 
 def test_lora_target_parameters_none_on_the_command_line_turns_expert_lora_off():
-    from finetune.config import parse_args
+    from finetune.run.arguments import parse_args
 
     recipe = str(ROOT / "recipes" / "gpt-oss-20b" / "lora.yaml")
     assert parse_args(["--config", recipe, "--tiny"]).model.lora_target_parameters == [
@@ -90,8 +90,9 @@ def test_lora_target_parameters_none_on_the_command_line_turns_expert_lora_off()
 def test_on_cpu_a_recipe_s_activation_offloading_is_off_and_the_flag_is_refused(tmp_path, capsys):
     import pytest
 
-    from finetune.config import check, parse_args
+    from finetune.checks.recipe import check
     from finetune.errors import UserError
+    from finetune.run.arguments import parse_args
 
     recipe = tmp_path / "offloaded.yaml"
     recipe.write_text((ROOT / "recipes/llama-3.2-3b/lora.yaml").read_text().replace("activation_offloading: false",
@@ -111,8 +112,8 @@ def test_the_activation_budget_reaches_inductor_only_for_layers_compiled_without
     they peaked higher (10.2 GiB against 9.4), so there the recipe's value is not applied."""
     from torch._functorch import config as functorch_config
 
-    from finetune import cpu
-    from finetune.config import apply_to_process, parse_args
+    from finetune.models import cpu
+    from finetune.run.arguments import apply_to_process, parse_args
 
     monkeypatch.setattr(functorch_config, "activation_memory_budget", 1.0)
     monkeypatch.setattr(cpu, "prepare_cpu_process_group", lambda: None)
@@ -150,8 +151,9 @@ NUMBERS_REFUSED_BEFORE_LOADING = [
 @pytest.mark.parametrize("flags, sentence", NUMBERS_REFUSED_BEFORE_LOADING, ids=[" ".join(f) for f, _ in
                                                                                   NUMBERS_REFUSED_BEFORE_LOADING])
 def test_numbers_and_mappings_that_would_fail_after_loading_are_refused_in_one_sentence(flags, sentence, tmp_path):
-    from finetune.config import check, parse_args
+    from finetune.checks.recipe import check
     from finetune.errors import UserError
+    from finetune.run.arguments import parse_args
 
     with pytest.raises(UserError) as refused:
         check(parse_args(["--config", str(LLAMA_LORA), "--tiny", "--output_dir", str(tmp_path / "out"), *flags]))
@@ -159,7 +161,8 @@ def test_numbers_and_mappings_that_would_fail_after_loading_are_refused_in_one_s
 
 
 def test_the_values_next_to_those_refused_still_run(tmp_path):
-    from finetune.config import check, parse_args
+    from finetune.checks.recipe import check
+    from finetune.run.arguments import parse_args
 
     for flags in (["--max_steps", "-1"], ["--warmup_steps", "0.1"], ["--max_grad_norm", "0"],
                   ["--lr_scheduler_kwargs", '{"power": 2}'], ["--attn_implementation", "sdpa"],

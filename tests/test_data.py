@@ -6,9 +6,9 @@ import pytest
 from datasets import Dataset
 from trl import ScriptArguments, SFTConfig
 
-from finetune.data import load_datasets
+from finetune.data.load import load_datasets
+from finetune.data.rows import check_rows
 from finetune.errors import UserError
-from finetune.row_checks import check_rows
 from tests.helpers import ROOT, launch_sft, printed_losses
 
 CONVERSATION = [{"role": "user", "content": "Spell cat backwards."}, {"role": "assistant", "content": "tac"}]

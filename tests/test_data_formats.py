@@ -6,9 +6,9 @@ import json
 import pytest
 from trl import ScriptArguments, SFTConfig
 
-from finetune.config import FinetuneArguments
-from finetune.data import load_datasets
+from finetune.data.load import load_datasets
 from finetune.errors import UserError
+from finetune.run.arguments import FinetuneArguments
 
 ALPACA = [{"instruction": "Spell cat backwards.", "input": "", "output": "tac"},
           {"instruction": "Translate to French.", "input": "dog", "output": "chien"}]
@@ -190,7 +190,7 @@ def test_a_turn_trl_would_train_otherwise_than_written_is_refused(tmp_path, row,
 
 
 def load_with_template(tmp_path, rows):
-    from finetune import tiny
+    from finetune.models import tiny
 
     training = SFTConfig(output_dir="unused", use_cpu=True, bf16=False, eval_strategy="no", max_length=None)
     return load_datasets(ScriptArguments(dataset_name=write_jsonl(tmp_path / "rows.jsonl", rows)), training,

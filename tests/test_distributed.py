@@ -120,7 +120,7 @@ def batch_flags(processes: int) -> list[str]:
 
 
 def tiny_model_folder(family: str) -> Path:
-    from finetune import tiny
+    from finetune.models import tiny
 
     return tiny.tiny_model_folder(family)
 
@@ -329,7 +329,8 @@ def test_lora_saves_the_single_process_adapter(runs, config):
 
 def held_out_loss(output_dir: Path | str) -> float:
     """A model or adapter folder as `finetune chat | generate | eval` load it, scored on two held-out sample rows."""
-    from finetune import evaluation, inference
+    from finetune.run import evaluation
+    from finetune.run import generation as inference
 
     model, tokenizer = inference.load_trained(str(output_dir))
     rows = [json.loads(line)["messages"] for line in (ROOT / "data/sample/test.jsonl").read_text().splitlines()[:2]]
@@ -392,7 +393,7 @@ def test_fsdp_config_falling_back_to_ddp_stops_with_a_clear_error(tmp_path):
 
 def test_processes_training_as_independent_runs_is_a_setup_problem():
     """A GPU-style config on a machine without GPU: N processes launched, each training alone at world size 1."""
-    from finetune.trainer import setup_problem
+    from finetune.run.trainer import setup_problem
 
     independent = {"world_size": 1, "strategy": "single", "wrapper": "LlamaForCausalLM"}
     assert "2 processes were launched but they train as 1 independent run" in setup_problem(independent, "ddp", 2)
@@ -409,17 +410,18 @@ def test_processes_training_as_independent_runs_is_a_setup_problem():
     ("zero3", {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": "ds_configs/zero3.json"}),
 ])
 def test_qlora_is_refused_under_sharding_strategies(monkeypatch, tmp_path, use, values):
-    from finetune import config
+    from finetune.checks import recipe as recipe_checks
     from finetune.errors import UserError
+    from finetune.run import arguments
 
     monkeypatch.chdir(ROOT)
     for name in ("ACCELERATE_USE_FSDP", "FSDP_VERSION", "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_DEEPSPEED_CONFIG_FILE"):
         monkeypatch.delenv(name, raising=False)
     for name, value in values.items():
         monkeypatch.setenv(name, value)
-    run = config.parse_args(["--config", "recipes/llama-3.2-3b/qlora.yaml", "--tiny", "--output_dir", str(tmp_path)])
+    run = arguments.parse_args(["--config", "recipes/llama-3.2-3b/qlora.yaml", "--tiny", "--output_dir", str(tmp_path)])
     with pytest.raises(UserError, match=rf"QLoRA's 4-bit weights cannot be sharded by {use.upper()}"):
-        config.check(run)
+        recipe_checks.check(run)
 
 
 @pytest.mark.parametrize("config", ["ddp"])  # zero2: verified by hand (2-3 min on CPU, too slow for this module)

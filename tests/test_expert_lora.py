@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 
-from finetune import expert_lora
+from finetune.models import expert_lora
 
 EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 TOKENS = 24
@@ -19,7 +19,7 @@ TOKENS = 24
 def tiny_gpt_oss():
     from transformers import AutoModelForCausalLM
 
-    from finetune import tiny
+    from finetune.models import tiny
 
     return AutoModelForCausalLM.from_pretrained(tiny.tiny_model_folder("gpt-oss"), dtype=torch.float32,
                                                 experts_implementation="eager")

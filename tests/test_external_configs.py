@@ -5,7 +5,7 @@ sentence before the model loads, under `finetune launch` and `accelerate launch`
 A file meets two checks (finetune/accelerate_checks.py): `finetune launch` reads it before handing over to accelerate,
 and every training process reads it again from its launcher's command line and compares it with the recipe. Both run
 here in this process, the second given the command line an `accelerate launch` would have had; the DeepSpeed JSONs
-meet `config.check_deepspeed_agrees`. One real `accelerate launch` (TRL's single_gpu.yaml) shows a training process
+meet `recipe_checks.check_deepspeed_agrees`. One real `accelerate launch` (TRL's single_gpu.yaml) shows a training process
 finding its launcher's file, saying what it ignores, and naming the optimizer and schedule that run; TRL's files for
 several GPUs (DDP, FSDP2, ZeRO-3) train two CPU processes for real (about 30-90 s each).
 """
@@ -18,6 +18,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from finetune.checks import model_folder
+from finetune.checks import recipe as recipe_checks
+from finetune.run import arguments, saving
 from tests.helpers import ACCELERATE, ROOT, free_port, printed_setup, write
 from tests.test_bad_inputs import FINETUNE, FULL, TINY, accelerate_config, check_bad_input
 
@@ -113,7 +116,7 @@ def launched_by_accelerate(monkeypatch, config_file: Path, flags: list[str] = ()
     of the processes the file asks for (not in WORLD_SIZE: this process would then wait for the others to join)."""
     import yaml
 
-    from finetune import accelerate_checks
+    from finetune.checks import launch as accelerate_checks
 
     arguments = ["--config_file", str(config_file), *flags, SCRIPT]
     monkeypatch.setattr(accelerate_checks, "accelerate_launch_arguments", lambda: arguments)
@@ -166,7 +169,8 @@ CHECKED_IN_TRAINING = [
 
 @pytest.mark.parametrize("case", CHECKED_IN_TRAINING, ids=[case[0] for case in CHECKED_IN_TRAINING])
 def test_a_file_runs_as_it_says_or_its_contradiction_with_the_recipe_is_refused(case, tmp_path, monkeypatch, capsys):
-    from finetune import accelerate_checks, config, launcher
+    from finetune.checks import launch as accelerate_checks
+    from finetune.commands import launch as launcher
     from finetune.errors import UserError
 
     _, config_file, folder, flags, refusal, note = case
@@ -177,7 +181,7 @@ def test_a_file_runs_as_it_says_or_its_contradiction_with_the_recipe_is_refused(
     assert command[command.index(str(launcher.SFT_SCRIPT)):] == [str(launcher.SFT_SCRIPT), *TINY, *flags]
 
     launched_by_accelerate(monkeypatch, config_file)
-    run = config.parse_args([*TINY, *flags, "--output_dir", str(tmp_path / "out")])
+    run = arguments.parse_args([*TINY, *flags, "--output_dir", str(tmp_path / "out")])
     capsys.readouterr()
     if refusal:
         with pytest.raises(UserError) as refused:
@@ -220,11 +224,11 @@ def test_an_accelerate_field_the_recipe_overrides_is_refused_naming_both(case, t
 
 
 def test_mixed_precision_no_gives_way_to_the_recipe_and_says_so(tmp_path, monkeypatch, capsys):
-    from finetune import accelerate_checks, config
+    from finetune.checks import launch as accelerate_checks
 
     edited = derived(tmp_path, TRL / "multi_gpu.yaml", lambda values: {**values, "mixed_precision": "no"})
     launched_by_accelerate(monkeypatch, edited)
-    run = config.parse_args([*TINY, "--output_dir", str(tmp_path / "out")])
+    run = arguments.parse_args([*TINY, "--output_dir", str(tmp_path / "out")])
     capsys.readouterr()
     accelerate_checks.check_run(run)
     assert "`mixed_precision: no` gives way to the recipe's `bf16: true`, which runs" in capsys.readouterr().out
@@ -267,35 +271,35 @@ def test_a_deepspeed_json_deciding_what_the_recipe_decides_is_refused_naming_bot
                                                                                   monkeypatch):
     """A JSON's own optimizer and scheduler would replace the recipe's without a word, its hard-coded fp16/bf16 and
     accumulation fail in transformers once the model is loaded: every contradiction in one sentence, before."""
-    from finetune import config
+    from finetune.checks import recipe as recipe_checks
     from finetune.errors import UserError
 
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(json_file))
     for words, bf16 in ((on_gpu, True), (on_cpu, False)):
         if words is None:
-            config.check_deepspeed_agrees(json_run(bf16))
+            recipe_checks.check_deepspeed_agrees(json_run(bf16))
             continue
         with pytest.raises(UserError) as refused:
-            config.check_deepspeed_agrees(json_run(bf16))
+            recipe_checks.check_deepspeed_agrees(json_run(bf16))
         sentence = str(refused.value)
         assert sentence.startswith(f"{json_file}: ") and sentence.count("; ") == 1, sentence
         assert all(word in sentence for word in words), sentence
 
 
 def test_axolotls_compiling_deepspeed_jsons_run_with_a_compiled_recipe(monkeypatch):
-    from finetune import config
+
 
     for name in ("zero1_torch_compile.json", "zero2_torch_compile.json"):
         monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
         monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(AXOLOTL / name))
-        config.check_deepspeed_agrees(json_run(True, compiled=True))
+        recipe_checks.check_deepspeed_agrees(json_run(True, compiled=True))
 
 
 def test_accelerate_fields_beside_a_deepspeed_json_are_refused_before_accelerate_refuses_them(monkeypatch):
     """accelerate exports the file's DeepSpeed fields (ACCELERATE_CONFIG_DS_FIELDS) and raises over them while the
     training arguments are built; the training process reads them first, when it reads the JSON."""
-    from finetune.config_files import read_deepspeed_config
+    from finetune.config.launch_request import read_deepspeed_config
     from finetune.errors import UserError
 
     monkeypatch.setenv("ACCELERATE_CONFIG_DS_FIELDS", "zero3_init_flag,gradient_accumulation_steps,mixed_precision")
@@ -307,7 +311,7 @@ def test_accelerate_fields_beside_a_deepspeed_json_are_refused_before_accelerate
 def test_the_setup_line_names_what_is_offloaded_and_the_optimizer_inside_its_wrappers():
     import torch
 
-    from finetune import trainer
+    from finetune.run import trainer
 
     plugin = SimpleNamespace(deepspeed_config=json.loads((AXOLOTL / "zero3_bf16_cpuoffload_params.json").read_text()))
     assert trainer._offloaded(SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin))) == {"parameters": "cpu"}
@@ -341,7 +345,7 @@ def test_finetune_launch_exits_143_for_a_run_a_sigterm_stopped_whatever_its_laun
     decides."""
     import sys
 
-    from finetune import launcher
+    from finetune.commands import launch as launcher
 
     stopped = "from finetune import outcome; outcome.record(outcome.PREEMPTED, 'out'); raise SystemExit(1)"
     assert launcher.run_and_report([sys.executable, "-c", stopped]) == (143, None, None)
@@ -372,7 +376,7 @@ def test_the_final_save_under_fsdp2s_default_sharded_state_dict_writes_the_whole
     failed at the final save. The trainer here saves as transformers does, by that state dict type."""
     from accelerate.utils import FullyShardedDataParallelPlugin
 
-    from finetune import checkpoints
+
 
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
     assert "SHARDED_STATE_DICT" in str(plugin.state_dict_type)
@@ -383,26 +387,26 @@ def test_the_final_save_under_fsdp2s_default_sharded_state_dict_writes_the_whole
 
     accelerator = SimpleNamespace(is_main_process=True, num_processes=1, wait_for_everyone=lambda: None,
                                   state=SimpleNamespace(fsdp_plugin=plugin))
-    checkpoints.save_final_completely(SimpleNamespace(accelerator=accelerator, save_model=save_model), tmp_path)
+    saving.save_final_completely(SimpleNamespace(accelerator=accelerator, save_model=save_model), tmp_path)
     assert (tmp_path / "model.safetensors").is_file()
 
 
 def test_an_fsdp_file_wrapping_a_layer_class_the_model_lacks_is_refused_before_loading(tmp_path, monkeypatch):
     """accelerate's examples name BertLayer in `fsdp_transformer_layer_cls_to_wrap`; accelerate fails on a class the
     model does not have once the model is loaded."""
-    from finetune import config, model
+
     from finetune.errors import UserError
 
-    run = config.parse_args([*TINY, "--output_dir", str(tmp_path / "out")])
+    run = arguments.parse_args([*TINY, "--output_dir", str(tmp_path / "out")])
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # as accelerate launch exports an FSDP file's fields
     monkeypatch.setenv("FSDP_AUTO_WRAP_POLICY", "TRANSFORMER_BASED_WRAP")
     monkeypatch.setenv("FSDP_TRANSFORMER_CLS_TO_WRAP", "LlamaDecoderLayer")
-    model.resolve_model_path(run)
+    model_folder.resolve_model_path(run)
     monkeypatch.setenv("FSDP_TRANSFORMER_CLS_TO_WRAP", "BertLayer")
     with pytest.raises(UserError, match="`fsdp_transformer_layer_cls_to_wrap: BertLayer` names BertLayer, which "
                                         r"meta-llama/Llama-3.2-1B-Instruct does not have \(its decoder layers: "
                                         "LlamaDecoderLayer\\); remove the field"):
-        model.resolve_model_path(run)
+        model_folder.resolve_model_path(run)
 
 
 DEEPSPEED_FILES_REFUSED = [
@@ -419,7 +423,6 @@ DEEPSPEED_FILES_REFUSED = [
 @pytest.mark.parametrize("content, words", DEEPSPEED_FILES_REFUSED, ids=[w[:30] for _, w in DEEPSPEED_FILES_REFUSED])
 def test_a_deepspeed_json_accelerate_or_deepspeed_would_fail_on_is_refused_naming_it(content, words, tmp_path,
                                                                                      monkeypatch):
-    from finetune import config
     from finetune.errors import UserError
 
     json_file = tmp_path / "ds.json"
@@ -427,5 +430,5 @@ def test_a_deepspeed_json_accelerate_or_deepspeed_would_fail_on_is_refused_namin
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(json_file))
     with pytest.raises(UserError) as refused:
-        config.check_deepspeed_agrees(json_run(True))
+        recipe_checks.check_deepspeed_agrees(json_run(True))
     assert str(refused.value).startswith(f"{json_file}: ") and words in str(refused.value), str(refused.value)

@@ -8,7 +8,9 @@ import json
 import pytest
 import yaml
 
-from finetune import config, cpu
+from finetune.checks import recipe as recipe_checks
+from finetune.models import cpu
+from finetune.run import arguments as run_arguments
 from tests.helpers import ROOT, write
 from tests.test_bad_inputs import FULL, TINY, check_bad_input, recipe, with_keys
 
@@ -16,7 +18,7 @@ EXTERNAL = ROOT / "tests" / "data" / "external" / "recipes"
 HANDBOOK = EXTERNAL / "alignment-handbook"
 TRL = EXTERNAL / "trl"
 ZEPHYR = HANDBOOK / "zephyr-7b-beta" / "sft" / "config_full.yaml"
-SAMPLE = str(config.SAMPLE_DATA)
+SAMPLE = str(run_arguments.SAMPLE_DATA)
 
 RUNNABLE = [*sorted(HANDBOOK.rglob("*.yaml")), TRL / "examples" / "cli_configs" / "example_config.yaml",
             TRL / "docs" / "source" / "clis" / "sft_config_datasets.yaml"]
@@ -51,7 +53,7 @@ def run_value(run, key: str):
 @pytest.mark.parametrize("recipe_file", RUNNABLE, ids=name)
 def test_every_value_of_an_external_recipe_reaches_the_run_under_its_current_name(recipe_file, tmp_path, capsys):
     written = yaml.safe_load(recipe_file.read_text())
-    run = config.parse_args(["--config", str(recipe_file), "--output_dir", str(tmp_path / "out")])
+    run = run_arguments.parse_args(["--config", str(recipe_file), "--output_dir", str(tmp_path / "out")])
     printed = capsys.readouterr()
     expected = {OLD_NAMES.get(key, key): value for key, value in written.items() if key != "output_dir"}
     if expected.pop("overwrite_output_dir", None) is not None:
@@ -76,7 +78,7 @@ def test_every_value_of_an_external_recipe_reaches_the_run_under_its_current_nam
 
 
 def test_the_planner_reads_a_renamed_key_with_its_value():
-    from finetune.config_files import read_recipe
+    from finetune.config.files import read_recipe
 
     values = read_recipe(ZEPHYR, {"max_seq_length": 512})
     assert values["max_length"] == 512 and values["dtype"] == "bfloat16" and values["warmup_steps"] == 0.1
@@ -100,10 +102,10 @@ TINY_SWAPS = [
 @pytest.mark.parametrize("recipe_file, replaced", TINY_SWAPS, ids=lambda value: name(value)[:40])
 def test_tiny_trains_the_bundled_sample_instead_of_a_recipes_hub_data_and_says_what_it_replaced(
         recipe_file, replaced, tmp_path, capsys, installed_integrations):
-    installed_integrations(config.REPORTING_PACKAGES)
+    installed_integrations(recipe_checks.REPORTING_PACKAGES)
     recipe_file = recipe_file(tmp_path) if callable(recipe_file) else recipe_file
     written = yaml.safe_load(recipe_file.read_text())
-    run = config.parse_args(["--config", str(recipe_file), "--tiny", "--output_dir", str(tmp_path / "out")])
+    run = run_arguments.parse_args(["--config", str(recipe_file), "--tiny", "--output_dir", str(tmp_path / "out")])
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[finetune] --tiny replaced ")]
     assert len(lines) == 1, lines
     assert f"{replaced} with the bundled {SAMPLE}" in lines[0]
@@ -115,23 +117,23 @@ def test_tiny_trains_the_bundled_sample_instead_of_a_recipes_hub_data_and_says_w
         assert "push_to_hub true with false" in lines[0]
     if written.get("eos_token"):  # a token of the real model's vocabulary, which the tiny tokenizer lacks
         assert f"eos_token {written['eos_token']} with the tiny tokenizer's" in lines[0]
-    config.check(run)  # HF_HUB_OFFLINE=1: nothing left needs the network
+    recipe_checks.check(run)  # HF_HUB_OFFLINE=1: nothing left needs the network
 
 
 def test_tiny_keeps_local_data_and_the_data_the_command_line_names(tmp_path, capsys):
     rows = ROOT / "data" / "sample" / "train.jsonl"
     local = write(tmp_path / "local.yaml", f"model_name_or_path: Qwen/Qwen2.5-0.5B\ndataset_name: {rows}\n")
-    run = config.parse_args(["--config", str(local), "--tiny", "--output_dir", str(tmp_path / "a")])
+    run = run_arguments.parse_args(["--config", str(local), "--tiny", "--output_dir", str(tmp_path / "a")])
     assert run.script.dataset_name == str(rows)
     mixture = {"datasets": [{"path": str(rows)}, {"path": str(ROOT / "data" / "sample" / "test.jsonl")}]}
     mixed = write(tmp_path / "mixed.yaml", yaml.safe_dump({"model_name_or_path": "x/y", "dataset_mixture": mixture}))
-    run = config.parse_args(["--config", str(mixed), "--tiny", "--output_dir", str(tmp_path / "b")])
+    run = run_arguments.parse_args(["--config", str(mixed), "--tiny", "--output_dir", str(tmp_path / "b")])
     assert run.finetune.dataset_mixture == mixture
-    run = config.parse_args(["--config", str(ZEPHYR), "--tiny", "--dataset_name", str(rows), "--output_dir",
+    run = run_arguments.parse_args(["--config", str(ZEPHYR), "--tiny", "--dataset_name", str(rows), "--output_dir",
                              str(tmp_path / "c")])
     assert (run.script.dataset_name, run.finetune.dataset_mixture) == (str(rows), None)
     smoltalk = HANDBOOK / "smollm2" / "sft" / "config.yaml"  # `dataset_config: all`, a config of its hub dataset
-    run = config.parse_args(["--config", str(smoltalk), "--dataset_name", SAMPLE, "--output_dir", str(tmp_path / "d")])
+    run = run_arguments.parse_args(["--config", str(smoltalk), "--dataset_name", SAMPLE, "--output_dir", str(tmp_path / "d")])
     assert (run.script.dataset_name, run.script.dataset_config) == (SAMPLE, None)
     assert "with the bundled" not in capsys.readouterr().out
 

@@ -7,9 +7,11 @@ import shutil
 
 import pytest
 
-from finetune import families, model, tiny
-from finetune import plan as P
+from finetune import families
 from finetune.errors import UserError
+from finetune.models import tiny
+from finetune.planner import architecture as planner_architecture
+from finetune.run import model
 from tests.helpers import ROOT, write
 from tests.test_bad_inputs import FULL, check_bad_input
 
@@ -59,7 +61,7 @@ def test_a_model_of_no_family_is_refused_in_one_sentence_that_lists_the_families
                                          "the hub cache) nor its name tells its model type")
     assert LISTED in str(refused.value)
     with pytest.raises(UserError, match="model_type: qwen2"):  # the planner too: it knows no qwen2 layer layout
-        P.architecture_of(qwen)
+        planner_architecture.architecture_of(qwen)
 
 
 @pytest.fixture

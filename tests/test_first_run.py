@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from finetune import config
+from finetune.run import arguments
 from tests.helpers import ROOT
 
 RECIPE = str(ROOT / "recipes" / "llama-3.2-3b" / "qlora.yaml")  # sets gradient_checkpointing: true
@@ -21,14 +21,14 @@ RECIPE = str(ROOT / "recipes" / "llama-3.2-3b" / "qlora.yaml")  # sets gradient_
 def test_either_checkpointing_name_works_and_nothing_warns(tmp_path, extra, expected):
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)
-        run = config.parse_args(["--config", RECIPE, "--output_dir", str(tmp_path), *extra])
+        run = arguments.parse_args(["--config", RECIPE, "--output_dir", str(tmp_path), *extra])
     assert run.training.gradient_checkpointing is expected
 
 
 def test_a_recipe_with_the_new_checkpointing_name_parses(tmp_path):
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(Path(RECIPE).read_text().replace("gradient_checkpointing:", "activation_checkpointing:"))
-    assert config.parse_args(["--config", str(recipe), "--output_dir", str(tmp_path)]).training.gradient_checkpointing
+    assert arguments.parse_args(["--config", str(recipe), "--output_dir", str(tmp_path)]).training.gradient_checkpointing
 
 
 def test_a_failed_finetune_launch_prints_only_our_sentence(tmp_path):

@@ -15,7 +15,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from finetune import fp8
+from finetune.checks import model_folder
+from finetune.models import fp8
+from finetune.run import arguments, model
 from tests.helpers import ROOT, run_sft_in_process
 
 FULL = ROOT / "recipes" / "llama-3.2-1b" / "full.yaml"
@@ -73,8 +75,8 @@ def test_fp8_where_it_would_not_run_or_not_pay_is_refused_before_the_model_loads
 
 
 def test_fp8_without_torchao_names_the_extra_to_install(monkeypatch):
-    from finetune.config import parse_args
     from finetune.errors import UserError
+    from finetune.run.arguments import parse_args
 
     run = parse_args(["--config", str(FULL), "--tiny", "--fp8", "true"])
     run.training.torch_compile = True  # as on a GPU: the CPU's override turns it off
@@ -95,12 +97,12 @@ TWO_STEPS = ["--max_steps", "2", "--per_device_train_batch_size", "2", "--gradie
 def fp8_trainer(recipe, output_dir, *flags: str, vocabulary_padded: bool = False):
     """The real path after the check: the recipe parsed with `fp8: true`, its tiny Llama loaded, the FinetuneTrainer
     built (which converts) on 8 sample rows. Returns the run, the tiny model's folder and the trainer."""
-    from finetune import config, data, model
-    from finetune import trainer as training
+    from finetune.data import load as data
+    from finetune.run import trainer as training
 
-    run = config.parse_args(["--config", str(recipe), "--tiny", "--fp8", "true", *flags, "--output_dir", str(output_dir),
+    run = arguments.parse_args(["--config", str(recipe), "--tiny", "--fp8", "true", *flags, "--output_dir", str(output_dir),
                              *TWO_STEPS])
-    path = model.resolve_model_path(run)
+    path = model_folder.resolve_model_path(run)
     tokenizer = model.load_tokenizer(path, run.training.assistant_only_loss)
     train_set, _ = data.load_datasets(run.script, run.training, None, run.finetune, tokenizer=tokenizer)
     llama = model.load_model(run, path)
@@ -112,7 +114,6 @@ def fp8_trainer(recipe, output_dir, *flags: str, vocabulary_padded: bool = False
 def test_fp8_trains_exactly_the_decoder_linears_in_float8_and_saves_a_plain_bf16_model(tmp_path):
     """Tiny Llama loaded in bf16, converted by the trainer, two optimizer steps, the model saved as TRL saves it."""
     float8_linear = pytest.importorskip("torchao.float8.float8_linear", reason='needs `pip install -e ".[fp8]"`')
-    from finetune import model
 
     output_dir = tmp_path / "out"
     run, path, trainer = fp8_trainer(FULL, output_dir, "--dtype", "bfloat16", vocabulary_padded=True)

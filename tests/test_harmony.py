@@ -8,9 +8,12 @@ import json
 import pytest
 from datasets import Dataset
 
-from finetune import config, inference, model, row_checks
-from finetune import trainer as training
-from finetune.data import load_datasets
+from finetune.checks import model_folder
+from finetune.data import rows as row_checks
+from finetune.data.load import load_datasets
+from finetune.run import arguments, model
+from finetune.run import generation as inference
+from finetune.run import trainer as training
 from tests.helpers import ROOT, run_sft_in_process
 
 HARMONY = ROOT / "data" / "harmony_sample"
@@ -44,11 +47,11 @@ def harmony_trainer(tmp_path_factory):
     """The GPT-OSS LoRA recipe's trainer on the harmony sample, reasoning_effort high, its data tokenized by TRL, one
     conversation a row (the recipe packs them; the labels are checked row by row)."""
     output = tmp_path_factory.mktemp("harmony")
-    run = config.parse_args([
+    run = arguments.parse_args([
         "--config", str(GPT_OSS), "--tiny", "--output_dir", str(output), "--dataset_name", str(HARMONY),
         "--eval_strategy", "no", "--chat_template_kwargs", '{"reasoning_effort": "high"}', "--packing", "false",
     ])
-    model_path = model.resolve_model_path(run)
+    model_path = model_folder.resolve_model_path(run)
     tokenizer = model.load_tokenizer(model_path, run.training.assistant_only_loss)
     train_set, _ = load_datasets(run.script, run.training, sources=run.finetune, tokenizer=tokenizer)
     trainer = training.build_trainer(run, model.load_model(run, model_path), tokenizer, train_set, None)
@@ -109,7 +112,7 @@ def test_recipe_chat_template_kwargs_give_way_to_a_rows_own():
 
 
 def test_traces_the_template_drops_or_max_length_cuts_are_named(capsys):
-    from finetune.tiny import build_tiny_tokenizer
+    from finetune.models.tiny import build_tiny_tokenizer
 
     tokenizer = build_tiny_tokenizer("gpt-oss")
     earlier_trace = [

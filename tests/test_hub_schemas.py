@@ -13,10 +13,10 @@ import pytest
 import yaml
 from trl import ScriptArguments, SFTConfig
 
-from finetune.config import FinetuneArguments
-from finetune.data import load_datasets
+from finetune.data.load import load_datasets
 from finetune.errors import UserError
-from finetune.tiny import build_tiny_tokenizer
+from finetune.models.tiny import build_tiny_tokenizer
+from finetune.run.arguments import FinetuneArguments
 from tests.helpers import ROOT, write
 from tests.test_bad_inputs import TINY, check_bad_input, data, good_turns, rows_file
 

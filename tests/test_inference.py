@@ -10,9 +10,11 @@ from pathlib import Path
 import pytest
 from transformers import PreTrainedTokenizerBase
 
-from finetune import cli, evaluation, inference
-from finetune.model import ADAPTER_CONFIG
-from finetune.tiny import build_tiny_tokenizer
+from finetune import cli
+from finetune.checks.model_folder import ADAPTER_CONFIG
+from finetune.models.tiny import build_tiny_tokenizer
+from finetune.run import evaluation
+from finetune.run import generation as inference
 from tests.helpers import ROOT, launch_sft
 
 pytestmark = pytest.mark.xdist_group("test_inference")  # one worker: its trainings are a module fixture
@@ -203,8 +205,8 @@ def test_a_model_trained_with_flex_attention_generates_with_eager_and_gets_its_a
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from finetune.inference import attention_for_generation
-    from finetune.tiny import build_tiny_tokenizer, tiny_config
+    from finetune.models.tiny import build_tiny_tokenizer, tiny_config
+    from finetune.run.generation import attention_for_generation
 
     model = AutoModelForCausalLM.from_config(tiny_config("gpt-oss", build_tiny_tokenizer("gpt-oss")),
                                              attn_implementation="flex_attention")

@@ -10,7 +10,7 @@ import venv
 
 import pytest
 
-from finetune.evaluation import SCORES_FILE
+from finetune.run.evaluation import SCORES_FILE
 from tests.helpers import ROOT, printed_losses
 
 # one worker: its wheel and venv are a module fixture, and two workers building the wheel from one checkout at once

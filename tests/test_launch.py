@@ -11,9 +11,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from finetune import launcher, plan
-from finetune.config_files import read_recipe
+from finetune.commands import launch as launcher
+from finetune.config.files import read_recipe
 from finetune.errors import UserError
+from finetune.planner import choice, memory
 from tests.helpers import ROOT, free_port, printed_setup
 
 FINETUNE = str(Path(sys.executable).with_name("finetune"))
@@ -55,9 +56,9 @@ def flag(command: list[str], name: str) -> str | None:
 def test_launch_without_a_config_file_uses_the_planners_choice_for_the_gpus_it_sees(gpus, recipe, count, technique):
     gpus(count)
     command = launcher.accelerate_command(["--config", recipe, "--max_steps", "5"])
-    chosen = plan.plan(read_recipe(ROOT / recipe, {"max_steps": 5}), gpus=count, gpu_memory_gib=H200_BYTES / 2**30)
+    chosen = choice.plan(read_recipe(ROOT / recipe, {"max_steps": 5}), gpus=count, gpu_memory_gib=H200_BYTES / 2**30)
     assert chosen.technique == technique
-    assert flag(command, "--config_file") == str(ROOT / plan.CONFIG_FILES[technique])
+    assert flag(command, "--config_file") == str(ROOT / memory.CONFIG_FILES[technique])
     assert flag(command, "--num_processes") == str(count)
     assert command[-5:] == [str(launcher.SFT_SCRIPT), "--config", recipe, "--max_steps", "5"]
 
@@ -99,7 +100,7 @@ def test_the_launcher_reads_how_the_run_ended_from_its_outcome_not_from_its_outp
     looks like either is only shown."""
     import sys
 
-    from finetune import launcher
+    from finetune.commands import launch as launcher
 
     def child(code: str) -> list[str]:
         return [sys.executable, "-c", f"import sys; from finetune import outcome; {code}"]
@@ -117,13 +118,13 @@ def test_the_launcher_reads_how_the_run_ended_from_its_outcome_not_from_its_outp
 def test_the_training_processes_get_the_launch_arguments_from_the_launcher_not_from_a_parent_command_line(tmp_path):
     """The fake `accelerate` starts its training process through `sh`, whose command line says nothing of the launch:
     what the process knows of it (the config file it names, the request it checks) came from `finetune launch`."""
-    training = ("import json; from finetune import config_files; "
-                "print(json.dumps([config_files.accelerate_launch_arguments(), config_files.accelerate_config_file()]))")
+    training = ("import json; from finetune.config import launch_request; "
+                "print(json.dumps([launch_request.accelerate_launch_arguments(), launch_request.accelerate_config_file()]))")
     accelerate = tmp_path / "accelerate"
     accelerate.write_text(f"#!/bin/sh\nsh -c '{sys.executable} -c \"{training}\"'\n")
     accelerate.chmod(0o755)
     command = [str(accelerate), "launch", "--config_file", "mine.yaml", "--num_processes", "2", "sft.py", "--tiny"]
-    printed = subprocess.run([sys.executable, "-c", f"from finetune import launcher; launcher.run_and_report({command!r})"],
+    printed = subprocess.run([sys.executable, "-c", f"from finetune.commands import launch; launch.run_and_report({command!r})"],
                              capture_output=True, text=True, timeout=60, cwd=ROOT)
     arguments, config_file = json.loads(printed.stdout.strip().splitlines()[-1])
     assert arguments == ["--config_file", "mine.yaml", "--num_processes", "2", "sft.py", "--tiny"], printed.stderr

@@ -5,16 +5,18 @@ import json
 import pytest
 import torch
 
-from finetune import config, model, row_checks
-from finetune import trainer as training
-from finetune.data import load_datasets
+from finetune.checks import model_folder
+from finetune.data import rows as row_checks
+from finetune.data.load import load_datasets
 from finetune.errors import UserError
+from finetune.run import arguments, model
+from finetune.run import trainer as training
 from tests.helpers import ROOT
 
 
 def build(recipe: str, tmp_path, *overrides: str):
-    run = config.parse_args(["--config", str(ROOT / "recipes" / recipe), "--tiny", "--output_dir", str(tmp_path), *overrides])
-    model_path = model.resolve_model_path(run)
+    run = arguments.parse_args(["--config", str(ROOT / "recipes" / recipe), "--tiny", "--output_dir", str(tmp_path), *overrides])
+    model_path = model_folder.resolve_model_path(run)
     tokenizer = model.load_tokenizer(model_path, run.training.assistant_only_loss)
     return run, model_path, tokenizer
 

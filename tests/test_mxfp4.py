@@ -16,6 +16,8 @@ import torch
 from safetensors import safe_open
 
 from benchmarks import mxfp4_checkpoints
+from finetune.checks import model_folder
+from finetune.run import arguments, model
 from tests.helpers import ROOT, free_port
 from tests.test_distributed import Run, accelerate_command, assert_setup, launch_env
 
@@ -77,12 +79,13 @@ def test_reference_dequantization_follows_the_format_definition():
 
 
 def test_recipe_loading_dequantizes_the_stored_experts_to_the_training_dtype(mxfp4_folder, tmp_path):
-    from finetune import config, model
+    from finetune.checks import recipe as recipe_checks
+    from finetune.run import arguments
 
-    run = config.parse_args(["--config", "recipes/gpt-oss-20b/lora.yaml", "--model_name_or_path", str(mxfp4_folder),
+    run = arguments.parse_args(["--config", "recipes/gpt-oss-20b/lora.yaml", "--model_name_or_path", str(mxfp4_folder),
                              "--output_dir", str(tmp_path / "out")])
-    config.check(run)
-    loaded = model.load_model(run, model.resolve_model_path(run)).state_dict()
+    recipe_checks.check(run)
+    loaded = model.load_model(run, model_folder.resolve_model_path(run)).state_dict()
     reference = mxfp4_checkpoints.stored_expert_weights(mxfp4_folder)
     assert len(reference) == 2 * json.loads((mxfp4_folder / "config.json").read_text())["num_hidden_layers"]
     for name, weight in reference.items():
@@ -97,9 +100,9 @@ def test_recipe_loading_dequantizes_the_stored_experts_to_the_training_dtype(mxf
 def test_on_a_gpu_mxfp4_is_dequantized_on_the_process_s_gpu_unless_the_strategy_shards(mxfp4_folder, tmp_path,
                                                                                       monkeypatch, strategy_env,
                                                                                       on_the_gpu):
-    from finetune import config, cpu, model
+    from finetune.models import cpu
 
-    run = config.parse_args(["--config", "recipes/gpt-oss-20b/lora.yaml", "--model_name_or_path", str(mxfp4_folder),
+    run = arguments.parse_args(["--config", "recipes/gpt-oss-20b/lora.yaml", "--model_name_or_path", str(mxfp4_folder),
                              "--output_dir", str(tmp_path / "out")])
     for name, value in strategy_env.items():
         monkeypatch.setenv(name, value)
@@ -116,7 +119,7 @@ import json, sys
 import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer, Mxfp4Config
-from finetune import inference
+from finetune.run import generation as inference
 adapter = sys.argv[1]
 base_path = json.loads(open(f"{adapter}/adapter_config.json").read())["base_model_name_or_path"]
 base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32, quantization_config=Mxfp4Config(dequantize=True))

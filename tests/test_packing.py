@@ -5,8 +5,8 @@ import torch
 from transformers import AutoModelForCausalLM
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
-from finetune import attention, tiny
-from finetune.config_files import read_recipe
+from finetune.config.files import read_recipe
+from finetune.models import attention, tiny
 from tests.helpers import ROOT
 
 

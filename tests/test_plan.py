@@ -9,21 +9,24 @@ from types import SimpleNamespace
 
 import pytest
 
-from finetune import plan as P
+from finetune import cli
+from finetune.config.files import parse_overrides, read_recipe
 from finetune.errors import UserError
-from finetune.config_files import parse_overrides, read_recipe
+from finetune.planner import architecture, choice, memory
+from finetune.planner import setup as planner_setup
+from finetune.run import arguments
 from tests.helpers import ROOT
 
 RECIPES = sorted((ROOT / "recipes").glob("*/*.yaml"))
-GIB = P.GIB
+GIB = memory.GIB
 
-SMALL = P.Architecture(name="small", hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=128,
+SMALL = architecture.Architecture(name="small", hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=128,
                        vocab=100, tied_embeddings=False)
 
 
 def setup(**kw):
     base = dict(model="small", method="full", max_length=16, batch=2, dtype="bfloat16", optim="adamw_torch_fused")
-    return P.Setup(**(base | kw))
+    return planner_setup.Setup(**(base | kw))
 
 
 def recipe(tmp_path, **values):
@@ -41,8 +44,8 @@ def recipe(tmp_path, **values):
 def test_parameter_count_of_a_small_dense_config_is_exact():
     # per layer: q 64*64 + k 64*32 + v 64*32 + o 64*64 + 3 MLP 64*128 + 2 norms 64; embeddings + head + final norm
     per_layer = 4096 + 2048 + 2048 + 4096 + 3 * 8192 + 128
-    assert P.layer_params(SMALL) == per_layer
-    assert P.total_params(SMALL) == 2 * per_layer + 2 * 100 * 64 + 64
+    assert architecture.layer_params(SMALL) == per_layer
+    assert architecture.total_params(SMALL) == 2 * per_layer + 2 * 100 * 64 + 64
 
 
 @pytest.mark.parametrize("name", ["llama-3.2-1b", "llama-3.2-3b", "gpt-oss-20b"])
@@ -54,33 +57,33 @@ def test_parameter_count_matches_the_real_architecture(name):
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(load_architecture(name))
-    assert P.total_params(P.architecture_of(name)) == sum(p.numel() for p in model.parameters())
+    assert architecture.total_params(architecture.architecture_of(name)) == sum(p.numel() for p in model.parameters())
 
 
 def test_full_bf16_ddp_on_one_gpu_counts_2_bytes_weights_and_4_bytes_adam_states():
-    e = P.estimate(SMALL, setup(), "ddp", 1)
-    n = P.total_params(SMALL)
+    e = memory.estimate(SMALL, setup(), "ddp", 1)
+    n = architecture.total_params(SMALL)
     assert e.parts["weights"] == n * 2
     assert e.parts["optimizer"] == n * 2 * 2  # exp_avg + exp_avg_sq in bf16
     assert "ddp_buckets" not in e.parts  # no DDP wrapper with one process
 
 
 def test_ddp_on_several_gpus_keeps_a_gradient_sized_bucket_copy():
-    e = P.estimate(SMALL, setup(dtype="float32"), "ddp", 4)
-    assert e.parts["ddp_buckets"] == P.total_params(SMALL) * 4
+    e = memory.estimate(SMALL, setup(dtype="float32"), "ddp", 4)
+    assert e.parts["ddp_buckets"] == architecture.total_params(SMALL) * 4
 
 
 def test_fsdp2_shards_fp32_weights_and_adam_states_by_world_size():
-    n = P.total_params(SMALL)
+    n = architecture.total_params(SMALL)
     for world in (2, 4, 8):
-        e = P.estimate(SMALL, setup(), "fsdp2", world)
+        e = memory.estimate(SMALL, setup(), "fsdp2", world)
         assert e.parts["weights"] == pytest.approx(n * 4 / world)  # accelerate upcasts trainable params to fp32
         assert e.parts["optimizer"] == pytest.approx(n * 8 / world)
 
 
 def test_zero3_shards_weights_and_master_states_zero2_only_the_states():
-    n = P.total_params(SMALL)
-    z2, z3 = P.estimate(SMALL, setup(), "zero2", 8), P.estimate(SMALL, setup(), "zero3", 8)
+    n = architecture.total_params(SMALL)
+    z2, z3 = memory.estimate(SMALL, setup(), "zero2", 8), memory.estimate(SMALL, setup(), "zero3", 8)
     assert z2.parts["weights"] == n * 2
     assert z3.parts["weights"] == pytest.approx(n * 2 / 8)
     assert z2.parts["optimizer"] == z3.parts["optimizer"] == pytest.approx(n * 12 / 8)  # fp32 master + m + v
@@ -88,29 +91,29 @@ def test_zero3_shards_weights_and_master_states_zero2_only_the_states():
 
 def test_lora_trains_only_the_adapters_in_fp32():
     s = setup(method="lora", lora_target_modules=("q_proj", "v_proj"), lora_r=8)
-    trainable = P.trainable_params(SMALL, s)
+    trainable = memory.trainable_params(SMALL, s)
     assert trainable == 2 * (8 * (64 + 64) + 8 * (64 + 32))
-    e = P.estimate(SMALL, s, "ddp", 1)
+    e = memory.estimate(SMALL, s, "ddp", 1)
     assert e.parts["optimizer"] == trainable * 8
 
 
 def test_qlora_stores_quantized_linears_in_about_half_a_byte():
-    a = P.architecture_of("llama-3.2-3b")
-    lora = P.frozen_weight_bytes(a, setup(method="lora"))
-    qlora = P.frozen_weight_bytes(a, setup(method="qlora"))
-    linear = a.layers * P.linear_params_per_layer(a)
+    a = architecture.architecture_of("llama-3.2-3b")
+    lora = memory.frozen_weight_bytes(a, setup(method="lora"))
+    qlora = memory.frozen_weight_bytes(a, setup(method="qlora"))
+    linear = a.layers * architecture.linear_params_per_layer(a)
     assert lora - qlora == pytest.approx(linear * (2 - 0.5 - 4 / 64))
 
 
 def test_activations_grow_with_tokens_and_checkpointing_shrinks_them():
-    a = P.architecture_of("llama-3.2-1b")
-    short, long = P.activation_bytes(a, setup(max_length=1024)), P.activation_bytes(a, setup(max_length=2048))
+    a = architecture.architecture_of("llama-3.2-1b")
+    short, long = memory.activation_bytes(a, setup(max_length=1024)), memory.activation_bytes(a, setup(max_length=2048))
     assert long["saved"] == pytest.approx(2 * short["saved"])
-    ckpt = P.activation_bytes(a, setup(max_length=2048, gradient_checkpointing=True))
+    ckpt = memory.activation_bytes(a, setup(max_length=2048, gradient_checkpointing=True))
     assert ckpt["saved"] < long["saved"] / 10
     on, off = setup(max_length=2048, batch=8, gradient_checkpointing=True), setup(max_length=2048, batch=8)
     part = "activations_and_grads"
-    assert P.estimate(a, on, "ddp", 1).parts[part] < P.estimate(a, off, "ddp", 1).parts[part] / 3
+    assert memory.estimate(a, on, "ddp", 1).parts[part] < memory.estimate(a, off, "ddp", 1).parts[part] / 3
 
 
 def test_dense_layer_activation_formula_matches_the_saved_tensors_of_the_real_layer():
@@ -137,66 +140,66 @@ def test_dense_layer_activation_formula_matches_the_saved_tensors_of_the_real_la
             model(input_ids=torch.randint(0, 256, (1, 64)), use_cache=False)
         sizes[layers] = sum(seen.values())
     measured_per_token = (sizes[2] - sizes[1]) / 64
-    assert P.layer_activation_bytes_per_token(P.architecture_of("llama-3.2-1b"), setup()) == measured_per_token
+    assert memory.layer_activation_bytes_per_token(architecture.architecture_of("llama-3.2-1b"), setup()) == measured_per_token
 
 
 def test_offloading_takes_the_checkpointed_layer_inputs_off_the_gpu_but_the_last_few():
-    a = P.architecture_of("llama-3.2-3b")
-    s = P.setup_from_recipe(read_recipe(ROOT / "recipes/llama-3.2-3b/lora.yaml", {"gradient_checkpointing": True}))
-    offloaded = P.setup_from_recipe(read_recipe(ROOT / "recipes/llama-3.2-3b/lora.yaml",
+    a = architecture.architecture_of("llama-3.2-3b")
+    s = planner_setup.setup_from_recipe(read_recipe(ROOT / "recipes/llama-3.2-3b/lora.yaml", {"gradient_checkpointing": True}))
+    offloaded = planner_setup.setup_from_recipe(read_recipe(ROOT / "recipes/llama-3.2-3b/lora.yaml",
                                                 parse_overrides(["--gradient_checkpointing", "true",
                                                                  "--activation_offloading", "true"])))
     assert offloaded.activation_offloading and not s.activation_offloading
     layer_input = s.tokens * 2 * a.hidden
-    moved = (a.layers - P.OFFLOAD_STASH_TENSORS) * layer_input
-    assert P.activation_bytes(a, offloaded)["offloaded_to_cpu"] == moved
-    assert P.activation_bytes(a, s)["saved"] - P.activation_bytes(a, offloaded)["saved"] == moved
-    kept, freed = P.estimate(a, s, "ddp", 1).allocated, P.estimate(a, offloaded, "ddp", 1).allocated
+    moved = (a.layers - memory.OFFLOAD_STASH_TENSORS) * layer_input
+    assert memory.activation_bytes(a, offloaded)["offloaded_to_cpu"] == moved
+    assert memory.activation_bytes(a, s)["saved"] - memory.activation_bytes(a, offloaded)["saved"] == moved
+    kept, freed = memory.estimate(a, s, "ddp", 1).allocated, memory.estimate(a, offloaded, "ddp", 1).allocated
     assert kept - freed == pytest.approx(moved)
-    everything = P.activation_bytes(a, replace(offloaded, gradient_checkpointing=False))  # without checkpointing
-    kept_by_a_compiled_layer = P.activation_bytes(a, offloaded)["recompute"] * offloaded.activation_memory_budget
+    everything = memory.activation_bytes(a, replace(offloaded, gradient_checkpointing=False))  # without checkpointing
+    kept_by_a_compiled_layer = memory.activation_bytes(a, offloaded)["recompute"] * offloaded.activation_memory_budget
     assert everything["offloaded_to_cpu"] == pytest.approx((a.layers - 1) * kept_by_a_compiled_layer)
 
 
 def test_on_a_24_gb_card_the_3b_lora_recipe_runs_batch_8_checkpointed_and_longer_rows_offloaded():
     path = ROOT / "recipes/llama-3.2-3b/lora.yaml"
     for gpu in ("A10", "L4"):
-        as_shipped = P.plan(read_recipe(path), gpus=1, gpu=gpu)
+        as_shipped = choice.plan(read_recipe(path), gpus=1, gpu=gpu)
         assert not as_shipped.fits and "--gradient_checkpointing true" in as_shipped.suggestions[0]
-        checkpointed = P.plan(read_recipe(path, {"gradient_checkpointing": True}), gpus=1, gpu=gpu)
+        checkpointed = choice.plan(read_recipe(path, {"gradient_checkpointing": True}), gpus=1, gpu=gpu)
         assert checkpointed.fits and checkpointed.technique == "ddp"
         longer = read_recipe(path, {"max_length": 8192})
-        tip = next(tip for tip in P.plan(longer, gpus=1, gpu=gpu).suggestions if "offloading" in tip)
+        tip = next(tip for tip in choice.plan(longer, gpus=1, gpu=gpu).suggestions if "offloading" in tip)
         assert tip.endswith("--gradient_checkpointing true --activation_offloading true")
-        assert P.plan(read_recipe(path, {"max_length": 8192} | parse_overrides(tip.split(": ")[1].split())), gpus=1,
+        assert choice.plan(read_recipe(path, {"max_length": 8192} | parse_overrides(tip.split(": ")[1].split())), gpus=1,
                       gpu=gpu).fits
-        assert not P.plan(read_recipe(path, {"max_length": 8192, "gradient_checkpointing": True}), gpus=1,
+        assert not choice.plan(read_recipe(path, {"max_length": 8192, "gradient_checkpointing": True}), gpus=1,
                           gpu=gpu).fits
-    table = P.format_plan(P.plan(read_recipe(path, {"max_length": 8192, "gradient_checkpointing": True,
+    table = choice.format_plan(choice.plan(read_recipe(path, {"max_length": 8192, "gradient_checkpointing": True,
                                                     "activation_offloading": True}), gpus=1, gpu="A10"))
     assert "GiB of activations in pinned CPU memory per GPU" in table
 
 
 def test_moe_weights_count_every_expert_but_activations_only_the_active_ones():
-    a = P.architecture_of("gpt-oss-20b")
+    a = architecture.architecture_of("gpt-oss-20b")
     fewer = replace(a, experts=a.experts // 2)
-    assert P.total_params(a) > 20e9 and P.total_params(a) - P.total_params(fewer) > 9e9
+    assert architecture.total_params(a) > 20e9 and architecture.total_params(a) - architecture.total_params(fewer) > 9e9
     active = replace(a, experts_per_token=a.experts_per_token * 2)
     s = setup(model="openai/gpt-oss-20b")
-    assert P.layer_activation_bytes_per_token(active, s) > P.layer_activation_bytes_per_token(a, s)
-    assert P.layer_activation_bytes_per_token(fewer, s) == pytest.approx(
-        P.layer_activation_bytes_per_token(a, s) - 4 * (a.experts - fewer.experts))  # only the router's logits
+    assert memory.layer_activation_bytes_per_token(active, s) > memory.layer_activation_bytes_per_token(a, s)
+    assert memory.layer_activation_bytes_per_token(fewer, s) == pytest.approx(
+        memory.layer_activation_bytes_per_token(a, s) - 4 * (a.experts - fewer.experts))  # only the router's logits
 
 
 def test_compiled_gpt_oss_plan_matches_the_h200_with_and_without_checkpointing():
     """Fitted to the run without checkpointing (60.6 GiB); the checkpointed run (41.6 GiB) is the independent check."""
-    a = P.architecture_of("gpt-oss-20b")
-    s = replace(P.setup_from_recipe(read_recipe(ROOT / "recipes/gpt-oss-20b/lora.yaml")), lora_target_parameters=())
+    a = architecture.architecture_of("gpt-oss-20b")
+    s = replace(planner_setup.setup_from_recipe(read_recipe(ROOT / "recipes/gpt-oss-20b/lora.yaml")), lora_target_parameters=())
     assert s.torch_compile and s.batch == 4 and s.max_length == 2048
     for checkpointing, measured_gib in ((False, 60.6), (True, 41.6)):
-        planned = P.estimate(a, replace(s, gradient_checkpointing=checkpointing), "ddp", 1).allocated / GIB
+        planned = memory.estimate(a, replace(s, gradient_checkpointing=checkpointing), "ddp", 1).allocated / GIB
         assert planned == pytest.approx(measured_gib, rel=0.03), (checkpointing, planned)
-    eager = P.estimate(a, replace(s, torch_compile=False), "ddp", 1).allocated / GIB
+    eager = memory.estimate(a, replace(s, torch_compile=False), "ddp", 1).allocated / GIB
     assert eager == pytest.approx(84.2, rel=0.03)  # plain TRL, same settings, not compiled
 
 
@@ -204,21 +207,21 @@ def test_the_gpt_oss_expert_lora_plan_is_within_15_percent_of_the_h200():
     """The recipe as shipped (attention + experts through grouped GEMMs), measured in
     docs/results/expert-lora-2026-12-03-h200-run2-bench.json. The grouped path's term counts what it saves; no
     constant was fitted to these runs."""
-    a = P.architecture_of("gpt-oss-20b")
-    s = P.setup_from_recipe(read_recipe(ROOT / "recipes/gpt-oss-20b/lora.yaml"))
+    a = architecture.architecture_of("gpt-oss-20b")
+    s = planner_setup.setup_from_recipe(read_recipe(ROOT / "recipes/gpt-oss-20b/lora.yaml"))
     assert s.lora_target_parameters and s.expert_lora_kernel == "grouped"
     for checkpointing, measured_gib in ((False, 72.1), (True, 44.7)):
-        planned = P.estimate(a, replace(s, gradient_checkpointing=checkpointing), "ddp", 1).allocated / GIB
+        planned = memory.estimate(a, replace(s, gradient_checkpointing=checkpointing), "ddp", 1).allocated / GIB
         assert planned == pytest.approx(measured_gib, rel=0.15), (checkpointing, planned)
 
 
 def test_when_only_zero3_offload_fits_the_plan_also_names_checkpointing_on_the_gpu():
     recipe = read_recipe(ROOT / "recipes/gpt-oss-20b/lora.yaml")
-    on_an_h100 = P.plan(recipe, gpus=1, gpu="H100")
+    on_an_h100 = choice.plan(recipe, gpus=1, gpu="H100")
     assert on_an_h100.technique == "zero3_offload"
     assert any("--gradient_checkpointing true" in tip and "ddp.yaml" in tip for tip in on_an_h100.suggestions)
-    assert "Faster: activation checkpointing" in P.format_plan(on_an_h100)
-    assert P.plan(recipe, gpus=1, gpu="H200").suggestions == []
+    assert "Faster: activation checkpointing" in choice.format_plan(on_an_h100)
+    assert choice.plan(recipe, gpus=1, gpu="H200").suggestions == []
 
 
 def test_the_planner_never_imports_torch_or_transformers():
@@ -231,20 +234,20 @@ def test_a_local_model_folder_is_read_from_its_config_json(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
                                                       "num_attention_heads": 4, "num_key_value_heads": 2,
                                                       "intermediate_size": 128, "vocab_size": 100}))
-    a = P.architecture_of(str(tmp_path))
+    a = architecture.architecture_of(str(tmp_path))
     assert (a.hidden, a.layers, a.head_dim, a.kv_dim) == (64, 2, 16, 32)
 
 
 # ---- choices ------------------------------------------------------------------------------------------------------
 def test_gpt_oss_120b_lora_on_8_h100_is_never_ddp():
-    p = P.plan(read_recipe(ROOT / "recipes/gpt-oss-120b/lora.yaml"), gpus=8, gpu="H100")
+    p = choice.plan(read_recipe(ROOT / "recipes/gpt-oss-120b/lora.yaml"), gpus=8, gpu="H100")
     assert p.technique not in ("ddp", "zero2")
     assert p.estimates["ddp"].per_gpu_gib > 80
 
 
 def test_llama_3b_lora_on_8_a10_is_ddp(tmp_path):
     path = recipe(tmp_path, use_peft=True, lora_target_modules="all-linear", gradient_checkpointing=True, lora_r=16)
-    p = P.plan(read_recipe(path), gpus=8, gpu="A10", recipe_path=str(path))
+    p = choice.plan(read_recipe(path), gpus=8, gpu="A10", recipe_path=str(path))
     assert p.technique == "ddp" and p.fits
     assert p.command.startswith("accelerate launch --config_file accelerate_configs/ddp.yaml")
     assert "--num_processes 8 scripts/sft.py --config" in p.command
@@ -252,32 +255,32 @@ def test_llama_3b_lora_on_8_a10_is_ddp(tmp_path):
 
 def test_full_3b_on_8_a10_needs_sharding(tmp_path):
     path = recipe(tmp_path, per_device_train_batch_size=1, gradient_checkpointing=True)
-    p = P.plan(read_recipe(path), gpus=8, gpu="A10")
+    p = choice.plan(read_recipe(path), gpus=8, gpu="A10")
     assert p.fits and p.technique in ("zero2", "fsdp2", "zero3")
 
 
 def test_too_large_reports_nothing_fits_with_suggestions(tmp_path):
     path = recipe(tmp_path, max_length=4096, per_device_train_batch_size=4)
-    p = P.plan(read_recipe(path), gpus=1, gpu="A10")
+    p = choice.plan(read_recipe(path), gpus=1, gpu="A10")
     assert not p.fits and p.technique is None and p.command is None
     text = " ".join(p.suggestions)
     assert "--gradient_checkpointing true" in text and "--max_length" in text
     shorter = int(text.split("--max_length ")[1].split()[0])
-    assert P.plan(read_recipe(path, {"max_length": shorter}), gpus=1, gpu="A10").fits
+    assert choice.plan(read_recipe(path, {"max_length": shorter}), gpus=1, gpu="A10").fits
     # full fine-tuning whose weights + Adam states alone overflow the card, even offloading needs LoRA
-    tight = P.plan(read_recipe(path, {"per_device_train_batch_size": 1, "max_length": 1024}), gpus=1, gpu_memory_gib=6)
+    tight = choice.plan(read_recipe(path, {"per_device_train_batch_size": 1, "max_length": 1024}), gpus=1, gpu_memory_gib=6)
     assert not tight.fits
 
 
 def test_qlora_is_never_sharded(tmp_path):
     path = recipe(tmp_path, use_peft=True, load_in_4bit=True, lora_target_modules="all-linear")
-    p = P.plan(read_recipe(path), gpus=8, gpu="L4")
+    p = choice.plan(read_recipe(path), gpus=8, gpu="L4")
     assert not p.estimates["fsdp2"].supported and not p.estimates["zero3"].supported
     assert p.technique in (None, "ddp", "zero2")
 
 
 def test_multi_node_command_has_the_machine_flags(tmp_path):
-    p = P.plan(read_recipe(ROOT / "recipes/gpt-oss-120b/lora.yaml"), gpus=8, nodes=2, gpu="H100",
+    p = choice.plan(read_recipe(ROOT / "recipes/gpt-oss-120b/lora.yaml"), gpus=8, nodes=2, gpu="H100",
                recipe_path="recipes/gpt-oss-120b/lora.yaml")
     assert ("--num_machines 2 --machine_rank $RANK --main_process_ip $MASTER_ADDR --main_process_port 29500 "
             "--num_processes 16 scripts/sft.py") in p.command
@@ -287,8 +290,8 @@ def test_overrides_change_the_estimate(tmp_path):
     path = recipe(tmp_path, gradient_checkpointing=True)
     values = read_recipe(path, parse_overrides(["--max_length", "4096", "--gradient_checkpointing", "false"]))
     assert values["max_length"] == 4096 and values["gradient_checkpointing"] is False
-    base = P.plan(read_recipe(path), gpus=1, gpu="H200").estimates["ddp"].per_gpu
-    assert P.plan(values, gpus=1, gpu="H200").estimates["ddp"].per_gpu > 2 * base
+    base = choice.plan(read_recipe(path), gpus=1, gpu="H200").estimates["ddp"].per_gpu
+    assert choice.plan(values, gpus=1, gpu="H200").estimates["ddp"].per_gpu > 2 * base
 
 
 @pytest.mark.parametrize("recipe_path", RECIPES, ids=lambda p: f"{p.parent.name}/{p.stem}")
@@ -296,9 +299,9 @@ def test_every_recipe_answers_fast_on_every_gpu_count_and_kind(recipe_path):
     for gpu in ("A10", "H100", "H200"):
         for gpus in (1, 2, 8):
             t0 = time.perf_counter()
-            p = P.plan(read_recipe(recipe_path), gpus=gpus, gpu=gpu, recipe_path=str(recipe_path))
+            p = choice.plan(read_recipe(recipe_path), gpus=gpus, gpu=gpu, recipe_path=str(recipe_path))
             assert time.perf_counter() - t0 < 2
-            assert set(p.to_json()["per_gpu_gib"]) == set(P.TECHNIQUES)
+            assert set(p.to_json()["per_gpu_gib"]) == set(memory.TECHNIQUES)
             assert p.fits == (p.command is not None) and (p.fits or p.suggestions)
 
 
@@ -311,7 +314,7 @@ def test_cli_json_in_a_subprocess_is_fast_and_complete():
     assert time.perf_counter() - t0 < 2
     d = json.loads(out.stdout)
     assert {"technique", "config_file", "per_gpu_gib", "fits", "command"} <= set(d)
-    assert d["fits"] and d["config_file"] == P.CONFIG_FILES[d["technique"]]
+    assert d["fits"] and d["config_file"] == memory.CONFIG_FILES[d["technique"]]
     assert d["command"].endswith("--config recipes/llama-3.2-1b/full.yaml --max_length 4096")
 
 
@@ -323,20 +326,20 @@ def test_cli_table_and_exit_status_when_nothing_fits(tmp_path):
 
 
 def test_expert_lora_saves_the_merged_expert_weights_only_on_peft_s_path():
-    a = P.architecture_of("gpt-oss-20b")
+    a = architecture.architecture_of("gpt-oss-20b")
     experts = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
     grouped = setup(model="openai/gpt-oss-20b", method="lora", lora_target_parameters=experts)
     peft = replace(grouped, expert_lora_kernel="peft")
-    assert P.adapted_expert_weight_bytes(a, grouped) == 0
-    assert P.adapted_expert_weight_bytes(a, peft) / 1e9 == pytest.approx(1.59, rel=0.01)  # W + BA per layer, bf16
-    assert P.setup_from_recipe({"model_name_or_path": "openai/gpt-oss-20b", "expert_lora_kernel": "peft"}) \
+    assert memory.adapted_expert_weight_bytes(a, grouped) == 0
+    assert memory.adapted_expert_weight_bytes(a, peft) / 1e9 == pytest.approx(1.59, rel=0.01)  # W + BA per layer, bf16
+    assert planner_setup.setup_from_recipe({"model_name_or_path": "openai/gpt-oss-20b", "expert_lora_kernel": "peft"}) \
         .expert_lora_kernel == "peft"
 
 
 def planned_on_one_gpu_gib(recipe: str, overrides: dict) -> float:
     """The planner's allocated peak for recipes/<recipe> at the benchmark's 2,048 tokens per row, one GPU, DDP."""
     values = read_recipe(ROOT / "recipes" / recipe, {"max_length": 2048} | overrides)
-    return P.estimate(P.architecture_of(values["model_name_or_path"]), P.setup_from_recipe(values), "ddp", 1) \
+    return memory.estimate(architecture.architecture_of(values["model_name_or_path"]), planner_setup.setup_from_recipe(values), "ddp", 1) \
         .allocated / GIB
 
 
@@ -380,22 +383,22 @@ def bare_recipe(tmp_path, text: str = "") -> str:
 
 
 def test_a_recipe_without_gradient_checkpointing_is_planned_with_the_runs_default(tmp_path):
-    from finetune import config
+    from finetune.run import arguments
 
     path = bare_recipe(tmp_path)
-    training = config.parse_args(["--config", path]).training
+    training = arguments.parse_args(["--config", path]).training
     run_value = getattr(training, "activation_checkpointing", training.gradient_checkpointing)
-    assert P.setup_from_recipe(read_recipe(path), path).gradient_checkpointing == run_value is True  # SFTConfig's
+    assert planner_setup.setup_from_recipe(read_recipe(path), path).gradient_checkpointing == run_value is True  # SFTConfig's
 
 
-def setup_the_run_trains(argv: list[str]) -> P.Setup:
-    """config.parse_args's values on a GPU machine, in the planner's terms."""
-    from finetune import config
+def setup_the_run_trains(argv: list[str]) -> planner_setup.Setup:
+    """arguments.parse_args's values on a GPU machine, in the planner's terms."""
 
-    run = config.parse_args([*argv, "--use_cpu", "true"])  # lets TrainingArguments take bf16 here; changes no value
+
+    run = arguments.parse_args([*argv, "--use_cpu", "true"])  # lets TrainingArguments take bf16 here; changes no value
     training, model, own = run.training, run.model, run.finetune
     modules = model.lora_target_modules
-    return P.Setup(
+    return planner_setup.Setup(
         model=model.model_name_or_path,
         method="qlora" if model.load_in_4bit and model.use_peft else "lora" if model.use_peft else "full",
         lora_r=model.lora_r, lora_dropout=model.lora_dropout,
@@ -422,12 +425,12 @@ def setup_the_run_trains(argv: list[str]) -> P.Setup:
 ], ids=lambda value: str(value)[:40])
 def test_every_setting_the_planner_reads_is_the_value_the_run_trains_with_on_gpus(tmp_path, monkeypatch,
                                                                                   recipe_text, flags):
-    from finetune import cpu
+    from finetune.models import cpu
 
     monkeypatch.setattr(cpu, "on_cpu", lambda: False)  # the plan is for GPUs: the CPU's replacements do not apply
     shipped = recipe_text.startswith("shipped: ")
     path = str(ROOT / recipe_text.split(": ", 1)[1]) if shipped else bare_recipe(tmp_path, recipe_text)
-    planned = P.setup_from_recipe(P.recipe_with_flags(path, flags), path)
+    planned = planner_setup.setup_from_recipe(planner_setup.recipe_with_flags(path, flags), path)
     assert planned == setup_the_run_trains(["--config", path, *flags])
 
 
@@ -453,7 +456,7 @@ def test_finetune_plan_says_a_recipe_mistake_in_one_error_line(tmp_path, recipe_
 def test_an_unknown_model_through_finetune_launch_is_one_error_line(tmp_path, monkeypatch, capsys):
     import torch
 
-    from finetune import cli, launcher
+    from finetune.commands import launch as launcher
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)  # 8 H200s here, and no accelerate config file
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: SimpleNamespace(total_memory=141 * 10**9))
@@ -468,8 +471,8 @@ def test_an_unknown_model_through_finetune_launch_is_one_error_line(tmp_path, mo
 
 
 def test_planning_reads_the_runs_defaults_without_importing_torch_transformers_or_trl():
-    probe = ("import sys; from finetune import plan; "
-             "plan.plan(plan.recipe_with_flags('recipes/llama-3.2-1b/full.yaml', []), gpus=8, gpu='H100'); "
+    probe = ("import sys; from finetune.planner import choice, setup; "
+             "choice.plan(planner_setup.recipe_with_flags('recipes/llama-3.2-1b/full.yaml', []), gpus=8, gpu='H100'); "
              "print(sorted({'torch', 'transformers', 'trl'} & set(sys.modules)))")
     result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=60,
                             check=False)
@@ -487,6 +490,6 @@ def test_the_planner_refuses_the_numbers_the_run_refuses_instead_of_planning_the
     """`finetune plan` printed a launch command for each of these, which the run then refused (finetune/numbers.py
     holds the one set of ranges)."""
     with pytest.raises(UserError) as refused:
-        P.setup_from_recipe(P.recipe_with_flags("recipes/llama-3.2-1b/lora.yaml", flags),
+        planner_setup.setup_from_recipe(planner_setup.recipe_with_flags("recipes/llama-3.2-1b/lora.yaml", flags),
                                "recipes/llama-3.2-1b/lora.yaml")
     assert str(refused.value).startswith(f"recipes/llama-3.2-1b/lora.yaml: {sentence}"), str(refused.value)

@@ -3,8 +3,8 @@
 Each strategy is one real `accelerate launch --config_file accelerate_configs/X.yaml --num_processes 2` of
 tests/sharding_probe.py (scripts/sft.py's path, then trainer.train() for one step of the tiny Llama of
 recipes/llama-3.2-1b/full.yaml), which writes what each rank holds into one file per rank. The expected numbers come from finetune/plan.py:
-its parameter count for the tiny model's config.json (`plan.total_params`) and its per-GPU `weights` / `optimizer`
-parts (`plan.estimate`), with the rounding each implementation really applies when it splits P elements over n ranks:
+its parameter count for the tiny model's config.json (`architecture.total_params`) and its per-GPU `weights` / `optimizer`
+parts (`memory.estimate`), with the rounding each implementation really applies when it splits P elements over n ranks:
 
   FSDP2 (torch fully_shard): every parameter is split on dim 0 as torch.chunk does: rank r holds
       max(0, min(ceil(d0/n), d0 - r*ceil(d0/n))) rows (to_local(); the padding to ceil(d0/n) rows lives only in
@@ -23,7 +23,7 @@ multiples of 2*n = 4, so all three rules give exactly P/n = 69024 elements per r
 `total_params / n`. Bytes: the CPU run trains in float32 (finetune/cpu.py turns bf16 off), so every tensor here is
 4 bytes per element. The planner's FSDP2 weights (fp32, accelerate upcasts) and all optimizer parts (fp32 master +
 2 fp32 moments under DeepSpeed, 2 moments in the parameter dtype under FSDP2) are dtype-exact and compared in bytes.
-Its DeepSpeed `weights` part assumes bf16 (2 bytes per element, hard-coded in plan.estimate): it is compared as an
+Its DeepSpeed `weights` part assumes bf16 (2 bytes per element, hard-coded in memory.estimate): it is compared as an
 element count (bytes / 2) and the measured bytes are that count x 4, the float32 the CPU run really keeps.
 Not counted by the planner and reported apart: Adam's `step` tensors (4 bytes per parameter tensor under FSDP2,
 8 bytes per group under DeepSpeed).
@@ -40,8 +40,8 @@ from pathlib import Path
 
 import pytest
 
-from finetune import plan
-from finetune.config_files import read_recipe
+from finetune.config.files import read_recipe
+from finetune.planner import architecture, memory, setup
 from tests.helpers import ACCELERATE, ROOT, free_port
 
 pytestmark = pytest.mark.xdist_group("test_plan_sharding")  # one worker: its launches are module fixtures
@@ -49,7 +49,7 @@ pytestmark = pytest.mark.xdist_group("test_plan_sharding")  # one worker: its la
 RECIPE = "recipes/llama-3.2-1b/full.yaml"
 WORLD = 2
 FP32 = 4
-PLANNER_DEEPSPEED_WEIGHT_BYTES = 2  # plan.estimate: "params * 2" (bf16) for zero2/zero3 weights
+PLANNER_DEEPSPEED_WEIGHT_BYTES = 2  # memory.estimate: "params * 2" (bf16) for zero2/zero3 weights
 TECHNIQUE = {"fsdp": "fsdp2", "zero2": "zero2", "zero3": "zero3"}
 
 
@@ -78,14 +78,14 @@ def measured(request, tmp_path_factory):
 # --- The planner's side.
 
 
-def planner_inputs(model_path: str) -> tuple[plan.Architecture, plan.Setup]:
+def planner_inputs(model_path: str) -> tuple[architecture.Architecture, setup.Setup]:
     """The tiny model's architecture from its config.json, and the recipe as the CPU run has it (float32, no bf16)."""
-    a = plan.architecture_of(model_path)
-    s = plan.setup_from_recipe(read_recipe(ROOT / RECIPE))
+    a = architecture.architecture_of(model_path)
+    s = setup.setup_from_recipe(read_recipe(ROOT / RECIPE))
     return a, replace(s, dtype="float32", bf16=False, use_liger_kernel=False)
 
 
-def parameter_shapes(a: plan.Architecture) -> list[tuple[int, ...]]:
+def parameter_shapes(a: architecture.Architecture) -> list[tuple[int, ...]]:
     """Every trained tensor of a dense Llama in the planner's terms (out, in for nn.Linear); tied head counted once."""
     assert not a.is_moe and not a.attention_bias
     layer = [(a.attn_dim, a.hidden), (a.kv_dim, a.hidden), (a.kv_dim, a.hidden), (a.hidden, a.attn_dim),
@@ -93,7 +93,7 @@ def parameter_shapes(a: plan.Architecture) -> list[tuple[int, ...]]:
     shapes = [(a.vocab, a.hidden)] + layer * a.layers + [(a.hidden,)]
     if not a.tied_embeddings:
         shapes.append((a.vocab, a.hidden))
-    assert sum(math.prod(shape) for shape in shapes) == plan.total_params(a)  # the planner's own count
+    assert sum(math.prod(shape) for shape in shapes) == architecture.total_params(a)  # the planner's own count
     return shapes
 
 
@@ -114,7 +114,7 @@ def zero3_partition_elements(shapes, world: int) -> int:
     return sum(math.ceil(math.prod(shape) / world) for shape in shapes)
 
 
-def zero3_persistent_elements(a: plan.Architecture, shapes) -> int:
+def zero3_persistent_elements(a: architecture.Architecture, shapes) -> int:
     threshold = 10 * a.hidden  # transformers' "auto" stage3_param_persistence_threshold
     return sum(math.prod(shape) for shape in shapes if math.prod(shape) <= threshold)
 
@@ -127,8 +127,8 @@ def test_per_rank_bytes_match_the_planner(measured):
     technique = TECHNIQUE[config]
     a, s = planner_inputs(ranks[0]["model_path"])
     shapes = parameter_shapes(a)
-    params = plan.total_params(a)
-    parts = plan.estimate(a, s, technique, WORLD).parts
+    params = architecture.total_params(a)
+    parts = memory.estimate(a, s, technique, WORLD).parts
     for r in ranks:
         assert r["world_size"] == WORLD and r["global_elements"] == params, r
         assert r["param_dtypes"] == ["torch.float32"], r

@@ -13,8 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from finetune.checkpoints import FINAL_ASIDE, FINAL_MARKER, MARKER, PREEMPTED_EXIT_CODE, checkpoint_problem
 from finetune.errors import FINISHED_PREFIX
+from finetune.run.saving import FINAL_ASIDE
+from finetune.run_folder import FINAL_MARKER, MARKER, PREEMPTED_EXIT_CODE, checkpoint_problem
 from tests.helpers import folder_digest, run_sft_in_process
 from tests.preemption import (
     SEED,
@@ -168,7 +169,7 @@ def test_corrupted_checkpoints_are_skipped_with_a_message_and_the_run_resumes_ex
 def test_a_truncated_safetensors_is_caught_even_when_its_size_matches_the_marker(tmp_path):
     from safetensors.torch import save_file
 
-    from finetune.checkpoints import safetensors_problem
+    from finetune.run_folder import safetensors_problem
 
     path = tmp_path / "w.safetensors"
     save_file({"a": torch.ones(100)}, str(path))

@@ -10,9 +10,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from finetune import checkpoints, config, resume
-from finetune.config import RUN_RECORD, parse_args, run_identity
+from finetune.checks import recipe as recipe_checks
+from finetune.checks import resume
+from finetune.checks.relaunch import run_identity
 from finetune.errors import UserError
+from finetune.run.arguments import parse_args
+from finetune.run_folder import RUN_RECORD
 from tests.helpers import ROOT, write
 
 LORA = ["--config", str(ROOT / "recipes" / "llama-3.2-1b" / "lora.yaml"), "--tiny"]
@@ -81,13 +84,13 @@ def run_folder(tmp_path: Path, *extra: str) -> Path:
     save_file({"weight": torch.zeros(2)}, str(checkpoint / "adapter_model.safetensors"))
     write(checkpoint / "trainer_state.json", '{"global_step": 4}')
     write(checkpoint / "optimizer.pt", "state")
-    checkpoints.write_marker(checkpoint, 4, 1)
+    run_folder.write_marker(checkpoint, 4, 1)
     return output_dir
 
 
 def relaunch(output_dir: Path, *extra: str):
     run = parse_args([*LORA, *extra, "--output_dir", str(output_dir)])
-    config.check(run)
+    recipe_checks.check(run)
     return run
 
 
@@ -135,7 +138,7 @@ def test_the_same_arguments_resume_silently_and_without_a_checkpoint_anything_ma
     relaunch(output_dir)
     assert "resuming from" not in capsys.readouterr().out
     for folder in output_dir.glob("checkpoint-*"):
-        (folder / checkpoints.MARKER).unlink()  # no complete checkpoint: the relaunch starts over
+        (folder / run_folder.MARKER).unlink()  # no complete checkpoint: the relaunch starts over
     relaunch(output_dir, "--lora_r", "8", "--learning_rate", "1e-4")
 
 
@@ -149,14 +152,14 @@ def test_changed_training_rows_are_refused_once_they_load(tmp_path):
     def rows_of(path):
         return load_dataset("json", data_files=str(path), split="train")
 
-    config.check_data_unchanged(run, rows_of(data))  # nothing recorded yet: it only takes the fingerprint
+    relaunch.check_data_unchanged(run, rows_of(data))  # nothing recorded yet: it only takes the fingerprint
     record = json.loads((output_dir / RUN_RECORD).read_text())
     record["settings"]["data_fingerprint"] = run.data_fingerprint
     write(output_dir / RUN_RECORD, json.dumps(record))
     run = relaunch(output_dir, "--dataset_name", str(data))  # the record is read once, by the relaunch's checks
     copy = write(tmp_path / "restaged" / "train.jsonl", data.read_text())  # the same rows elsewhere still match
-    config.check_data_unchanged(run, rows_of(copy))
+    relaunch.check_data_unchanged(run, rows_of(copy))
     write(data, "\n".join(rows[:39] + [rows[41]]) + "\n")
     with pytest.raises(UserError) as refused:
-        config.check_data_unchanged(run, rows_of(data))
+        relaunch.check_data_unchanged(run, rows_of(data))
     assert "training rows changed since checkpoint-4" in str(refused.value), str(refused.value)

@@ -7,8 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from finetune.config import parse_args
-from finetune.model import model_init_kwargs
+from finetune.run.arguments import parse_args
+from finetune.run.model import model_init_kwargs
 from tests.helpers import ROOT, launch_sft
 
 LORA = ROOT / "recipes" / "llama-3.2-1b" / "lora.yaml"

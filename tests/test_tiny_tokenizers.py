@@ -11,8 +11,8 @@ from trl.chat_template_utils import (
     llama3_2_chat_template,
 )
 
-from finetune.config import DEFAULT_ARGS
-from finetune.tiny import TINY_TOKENIZERS_DIR, build_tiny_tokenizer
+from finetune.models.tiny import TINY_TOKENIZERS_DIR, build_tiny_tokenizer
+from finetune.run.arguments import DEFAULT_ARGS
 from tests.helpers import ROOT
 
 SAMPLE_DIR = ROOT / "data" / "sample"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from finetune.config_files import read_recipe
+from finetune.config.files import read_recipe
 from finetune.families import family_of
 from tests.helpers import ROOT, launch_sft, printed_losses, printed_setup
 
@@ -86,7 +86,7 @@ def test_under_checkpointing_a_layer_with_a_graph_break_is_still_compiled_once_f
     from torch._dynamo.testing import CompileCounterWithBackend
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from finetune.compilation import CompileInsideCheckpoints
+    from finetune.models.compilation import CompileInsideCheckpoints
 
     shape = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 12, "num_attention_heads": 4,
              "num_key_value_heads": 2, "head_dim": 8, "vocab_size": 128}
@@ -161,7 +161,7 @@ def test_offloading_compiled_checkpoints_moves_only_layer_inputs_and_keeps_the_g
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from finetune import patches
-    from finetune.compilation import call
+    from finetune.models.compilation import call
 
     layers, batch, seq, hidden = 4, 2, 24, 32
     config = AutoConfig.for_model("llama", hidden_size=hidden, intermediate_size=64, num_hidden_layers=layers,

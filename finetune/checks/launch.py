@@ -1,0 +1,358 @@
+"""An accelerate config file from anywhere (TRL's, accelerate's examples, alignment-handbook's) either runs as it says
+or is refused in one sentence before the model loads, under `finetune launch` and `accelerate launch` alike.
+
+accelerate's launcher copies a file's fields into its arguments (a flag on its command line wins) and exports them to
+the training processes. Some of them this toolkit does not run: context, sequence and tensor parallelism and HSDP
+(`parallelism_config`), accelerate's own FP8, distributed types other than NO, MULTI_GPU, FSDP and DEEPSPEED, and
+several processes under a launcher that starts one. Others the recipe overrides or contradicts: mixed precision,
+DeepSpeed's accumulation and clipping, dynamo compilation, FSDP's activation checkpointing. The request, a file's
+fields with the launcher's flags on top, is read here from the launcher's arguments: by `finetune launch` from the
+command it is about to run, which it passes on to the training processes; under a plain `accelerate launch`, from
+that launcher's command line (config_files.accelerate_launch_arguments). `check_request` needs only the request;
+`check_run` also compares it with the parsed recipe.
+"""
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from finetune import patches
+from finetune.config.files import local_or_shipped, read_yaml_mapping
+from finetune.config.launch_request import (
+    FIELDS_NOT_BESIDE_DEEPSPEED_FILE,
+    accelerate_launch_arguments,
+    fields_beside_deepspeed_file_refusal,
+    read_deepspeed_config,
+)
+from finetune.errors import UserError, say
+from finetune.models import cpu
+
+RUNNABLE_TYPES = ("NO", "MULTI_GPU", "FSDP", "DEEPSPEED")
+
+
+# accelerate's launcher starts one process for these, whatever num_processes says (several CPU ones only via mpirun)
+ONE_PROCESS_TYPES = ("NO", "MULTI_CPU")
+
+
+# The sections whose fields accelerate's launcher reads under a prefix (`fsdp_config: {version: 2}` is fsdp_version)
+SECTION_PREFIXES = {"fsdp_config": "fsdp_", "fp8_config": "fp8_", "dynamo_config": "dynamo_"}
+
+
+PARALLELISM_PREFIX = "parallelism_config_"
+
+
+# Each parallelism a size above 1 asks for, why this toolkit does not run it, and the file that trains without it.
+NOT_RUN_HERE = {
+    "cp": (("context parallelism (ring attention), which runs only with SDPA attention and plain causal masks, not "
+            "the per-conversation attention of packed rows this toolkit trains with"), "accelerate_configs/fsdp.yaml"),
+    "sp": ("ALST/Ulysses sequence parallelism, which this toolkit does not run", "accelerate_configs/zero3.yaml"),
+    "tp": ("tensor parallelism, which this toolkit does not run", "accelerate_configs/fsdp.yaml"),
+    "dp_replicate": ("HSDP (shards replicated over groups of processes), which this toolkit does not run",
+                     "accelerate_configs/fsdp.yaml"),
+}
+
+
+@dataclass
+class LaunchRequest:
+    """What one launch asks accelerate for: its config file's fields, and the flags of the launcher's command line,
+    which win, both under the names accelerate's launcher gives them."""
+    file: str | None
+    fields: dict
+    flags: dict
+
+    @property
+    def source(self) -> str:
+        return self.file or "the accelerate launch command line"
+
+    def value(self, name: str, default=None):
+        if name in self.flags:
+            return self.flags[name]
+        return _as_launcher_arguments(self.fields).get(name, default)
+
+    def written(self, name: str) -> str:
+        """How the user wrote a field: `--flag value` on the command line, `field: value` in the file."""
+        value = self.value(name)
+        shown = str(value).lower() if isinstance(value, bool) else value  # as YAML and the flags spell it
+        return f"`--{name} {shown}`" if name in self.flags else f"`{name}: {shown}`"
+
+    def distributed_type(self) -> str:
+        flags = (("cpu", "NO"), ("use_deepspeed", "DEEPSPEED"), ("use_fsdp", "FSDP"), ("multi_gpu", "MULTI_GPU"))
+        for flag, kind in flags:
+            if self.flags.get(flag):
+                return kind
+        if self.file is None:  # accelerate's own choice without a file: several GPUs for several processes
+            import torch
+
+            several = (self.value("num_processes") or 1) > 1 and torch.cuda.device_count() > 1
+            return "MULTI_GPU" if several else "NO"
+        return str(self.fields.get("distributed_type", "NO"))
+
+
+def _as_launcher_arguments(fields: dict) -> dict:
+    """A config file's fields as accelerate's launcher copies them into its arguments: a section's under its prefix."""
+    flat = {}
+    for key, value in fields.items():
+        if isinstance(value, dict):
+            prefix = SECTION_PREFIXES.get(key, "")
+            flat.update({name if name.startswith(prefix) else prefix + name: item for name, item in value.items()})
+        else:
+            flat[key] = value
+    return flat
+
+
+def _launcher_parser():
+    from accelerate.commands.launch import launch_command_parser
+
+    return launch_command_parser()
+
+
+def request_from_command(arguments: list[str], default_file: str | None) -> LaunchRequest | None:
+    """The request of `accelerate launch ARGUMENTS` as accelerate reads it: the --config_file, else `default_file` when
+    it exists, with the flags given. None when accelerate could not parse the command (it then says why itself)."""
+    try:
+        args = _launcher_parser().parse_args(arguments)
+    except SystemExit:
+        return None
+    given = getattr(args, "nondefault", set()) - {"config_file", "training_script", "training_script_args", "quiet"}
+    flags = {name: getattr(args, name) for name in sorted(given)}
+    default_found = default_file and Path(default_file).is_file() and not args.cpu
+    file = args.config_file or (default_file if default_found else None)
+    fields = read_yaml_mapping(file, "accelerate config", "pass one of accelerate_configs/*.yaml") if file else {}
+    return LaunchRequest(file, fields, flags)
+
+
+def request_of_this_process() -> LaunchRequest | None:
+    """The request of the `accelerate launch` that started this training process, None when none did."""
+    arguments = accelerate_launch_arguments()
+    if arguments is None:
+        return None
+    from accelerate.commands.config.config_args import default_config_file
+
+    return request_from_command(arguments, default_config_file)
+
+
+def check_request(request: LaunchRequest, processes: int) -> list[str]:
+    """Refuse what this toolkit cannot run as the request asks, for `processes` processes in all; returns the notes
+    to print about fields that are ignored."""
+    kind = request.distributed_type()
+    if kind not in RUNNABLE_TYPES + ONE_PROCESS_TYPES:
+        raise UserError(f"{request.source}: `distributed_type: {kind}` is not one this toolkit trains with (NVIDIA "
+                        f"GPUs or the CPU); use MULTI_GPU (DDP), FSDP or DEEPSPEED, as accelerate_configs/*.yaml do.")
+    if kind in RUNNABLE_TYPES[1:] and request.value("num_processes") is None:
+        raise UserError(f"{request.source}: `num_processes` is not set, and accelerate needs it under "
+                        f"`distributed_type: {kind}`; add `num_processes: N` (processes on all machines together) or "
+                        f"pass --num_processes N.")
+    notes = _one_process_launch(request, kind)
+    if kind == "FSDP" and str(request.value("fsdp_offload_params", False)).lower() == "true" and cpu.on_cpu():
+        raise UserError(f"{request.source}: {request.written('fsdp_offload_params')} moves FSDP2's parameters out of "
+                        f"GPU memory and this machine has no GPU (torch's offload then stops at the first layer); set "
+                        f"it to false here.")
+    _check_machines(request)
+    _check_parallelism(request, kind, processes)
+    _check_fp8(request)
+    deepspeed_file = request.value("deepspeed_config_file")
+    if kind == "DEEPSPEED" and deepspeed_file:
+        section = request.fields.get("deepspeed_config") or {}
+        beside = [name for name in FIELDS_NOT_BESIDE_DEEPSPEED_FILE if name in section]
+        if "mixed_precision" in request.fields and "mixed_precision" not in request.flags:
+            beside.append("mixed_precision")
+        if beside:
+            raise fields_beside_deepspeed_file_refusal(request.source, deepspeed_file, beside)
+        _check_deepspeed_json(deepspeed_file, request.source)
+    elif kind == "DEEPSPEED":
+        _check_zero_stage(request.value("zero_stage"), request.written("zero_stage"), request.source)
+    return notes
+
+
+def _check_machines(request: LaunchRequest) -> None:
+    """A machine rank outside the machines launched waits for a rendezvous that never completes: a hang, not an
+    error."""
+    rank, machines = request.value("machine_rank"), request.value("num_machines") or 1
+    if isinstance(rank, int) and isinstance(machines, int) and not 0 <= rank < machines:
+        raise UserError(f"{request.source}: {request.written('machine_rank')} is not one of the {machines} machines "
+                        f"launched (ranks 0 to {machines - 1}), and the launch would wait for them forever; give each "
+                        f"machine its own rank from 0.")
+
+
+def _check_zero_stage(stage, written: str, source: str) -> None:
+    if isinstance(stage, str) and stage.strip() in ("0", "1", "2", "3"):
+        raise UserError(f"{source}: {written} is text; write the number {stage.strip()} without quotes (DeepSpeed "
+                        f"reads either, but accelerate and transformers compare the stage with a number and would "
+                        f"not run that stage's loading and saving).")
+    if stage is not None and (isinstance(stage, bool) or stage not in (0, 1, 2, 3)):
+        raise UserError(f"{source}: {written} is no ZeRO stage (DeepSpeed has 0 to 3, and fails on another after the "
+                        f"model has loaded); use 2 or 3, as accelerate_configs/zero2.yaml and zero3.yaml do.")
+
+
+def _check_deepspeed_json(file: str, source: str) -> None:
+    """What a DeepSpeed JSON asks for that DeepSpeed would fail on after the model has loaded, or that this toolkit
+    does not run (AutoTP's tensor parallelism)."""
+    values = read_deepspeed_config(file, source)  # an object with a zero_optimization object, or refused
+    zero = values["zero_optimization"]
+    _check_zero_stage(zero.get("stage"), f"`zero_optimization.stage: {json.dumps(zero.get('stage'))}`", file)
+    tensor_parallel = values.get("tensor_parallel")
+    size = tensor_parallel.get("autotp_size", 1) if isinstance(tensor_parallel, dict) else 1
+    if not isinstance(size, int) or size > 1:
+        raise UserError(f"{file}: `tensor_parallel.autotp_size: {size}` asks for DeepSpeed's tensor parallelism "
+                        f"(AutoTP), which this toolkit does not run; remove the tensor_parallel block.")
+
+
+def _one_process_launch(request: LaunchRequest, kind: str) -> list[str]:
+    """accelerate starts one process under NO, MULTI_CPU (without mpirun) or --cpu, whatever num_processes asks."""
+    asked = request.value("num_processes")
+    if kind not in ONE_PROCESS_TYPES or not isinstance(asked, int) or asked <= 1:
+        return []
+    written = request.written("num_processes")
+    if kind == "NO" and "num_processes" not in request.flags and "distributed_type" in request.fields:
+        # a file that says NO, as TRL's single_gpu.yaml does beside `num_processes: 8`: one process is what it asks for
+        return [f"{request.source}: {written} is ignored under `distributed_type: NO`: one process trains"]
+    why = "`--cpu`" if request.flags.get("cpu") else f"`distributed_type: {kind}`" if request.file else \
+        "no accelerate config file, on a machine without several GPUs"
+    if kind == "MULTI_CPU":
+        why += " (accelerate starts several CPU processes only through mpirun)"
+    raise UserError(f"{request.source}: {written} starts one process under {why}; launch with a MULTI_GPU file such as "
+                    f"accelerate_configs/ddp.yaml, which runs {asked} processes on GPUs or on the CPU.")
+
+
+def _check_parallelism(request: LaunchRequest, kind: str, processes: int) -> None:
+    section = request.fields.get("parallelism_config") or {}
+    if not isinstance(section, dict):
+        raise UserError(f"{request.source}: `parallelism_config` must be a mapping of parallelism_config_* fields; "
+                        f"rewrite it as one or remove it.")
+    known = {action.dest for action in patches.parser_actions(_launcher_parser())
+             if action.dest.startswith(PARALLELISM_PREFIX)}
+    for key in section:
+        if key not in known:
+            hint = f"`{PARALLELISM_PREFIX}{key}`" if PARALLELISM_PREFIX + key in known else "one of " + ", ".join(
+                sorted(known))
+            raise UserError(f"{request.source}: `{key}` under parallelism_config is not a field accelerate reads, so "
+                            f"it would be ignored; name it {hint}.")
+    sizes = {}
+    for dimension in ("cp", "sp", "tp", "dp_replicate", "dp_shard"):
+        name = f"{PARALLELISM_PREFIX}{dimension}_size"
+        size = request.value(name, 1)
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise UserError(f"{request.source}: {request.written(name)} must be a whole number of at least 1; fix it.")
+        sizes[dimension] = size
+    for dimension, (what, instead) in NOT_RUN_HERE.items():
+        if sizes[dimension] > 1:
+            written = request.written(f"{PARALLELISM_PREFIX}{dimension}_size")
+            raise UserError(f"{request.source}: {written} asks for {what}; remove the parallelism_config block to "
+                            f"train as {instead} does.")
+    exported = bool(section) or any(name.startswith(PARALLELISM_PREFIX) for name in request.flags)
+    shard = request.written(f"{PARALLELISM_PREFIX}dp_shard_size")
+    if sizes["dp_shard"] > 1 and kind != "FSDP":
+        raise UserError(f"{request.source}: {shard} shards the model with FSDP2, but the file's distributed_type is "
+                        f"{kind}; remove the parallelism_config block.")
+    if exported and kind == "FSDP" and sizes["dp_shard"] != processes:
+        raise UserError(f"{request.source}: {shard} does not match the {processes} processes launched (FSDP2 shards "
+                        f"over all of them here); set it to {processes} or remove the parallelism_config block.")
+
+
+def _check_fp8(request: LaunchRequest) -> None:
+    precision = str(request.value("mixed_precision") or "no").lower()
+    fp8_config = request.fields.get("fp8_config") or {}
+    if precision != "fp8" and not fp8_config and "fp8_backend" not in request.flags:
+        return
+    written = request.written("mixed_precision") if precision == "fp8" else "`fp8_config`"
+    backend = request.value("fp8_backend") or "Transformer Engine, MS-AMP or torchao"
+    raise UserError(f"{request.source}: {written} asks for accelerate's FP8 ({backend}), which this toolkit does not "
+                    f"use; remove mixed_precision: fp8 and fp8_config from that file and set `fp8: true` in the recipe "
+                    f"(float8 through torchao, finetune/fp8.py).")
+
+
+def check_run(run) -> None:
+    """The request of the `accelerate launch` that started this process, checked and compared with the parsed recipe
+    before anything loads; its notes printed once."""
+    request = request_of_this_process()
+    if request is None:
+        return
+    notes = check_request(request, launched_processes())
+    notes += _precision_contradiction(request, run)
+    kind = request.distributed_type()
+    if kind == "DEEPSPEED":
+        _check_deepspeed_fields(request, run.training)
+    notes += _compilation_contradiction(request, run.training)
+    if kind == "FSDP" and str(request.value("fsdp_activation_checkpointing", False)).lower() == "true" and \
+            _checkpointing(run.training):
+        raise UserError(f"{request.source}: `fsdp_activation_checkpointing: true` and the recipe's "
+                        f"`gradient_checkpointing: true` both checkpoint the layers, which transformers refuses; set "
+                        f"one of them to false.")
+    if int(os.environ.get("RANK", "0")) == 0:
+        for note in notes:
+            say(f"{note}")
+
+
+def launched_processes() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _checkpointing(training) -> bool:
+    return bool(getattr(training, "activation_checkpointing", False)
+                or getattr(training, "gradient_checkpointing", False))
+
+
+def asked_precision(run) -> str:
+    """bf16, fp16 or no: what the recipe and the command line ask for. On a machine without a GPU, which trains in
+    float32 whatever they say, the recipe's value as written (TRL's default: bf16 unless fp16)."""
+    training = run.training
+    bf16, fp16 = bool(training.bf16), bool(training.fp16)
+    if cpu.on_cpu() and not (bf16 or fp16):
+        written = read_yaml_mapping(local_or_shipped(run.recipe_path), "recipe", "") if run.recipe_path else {}
+        fp16 = written.get("fp16") is True
+        bf16 = written.get("bf16", not fp16) is True
+    return "bf16" if bf16 else "fp16" if fp16 else "no"
+
+
+def _precision_contradiction(request: LaunchRequest, run) -> list[str]:
+    """The Trainer takes the recipe's bf16/fp16 over the file's mixed_precision, and the file's only when the recipe
+    asks for neither: a file naming another precision is refused; `no`, accelerate's default answer, is noted."""
+    written = request.value("mixed_precision")
+    if written is None:
+        return []
+    written, asked = str(written).lower(), asked_precision(run)
+    if written == asked:
+        return []
+    if written == "no":
+        return [(f"{request.source}: {request.written('mixed_precision')} gives way to the recipe's `{asked}: true`, "
+                 f"which runs")]
+    recipe_says = f"`{asked}: true`" if asked != "no" else "`bf16: false`"
+    raise UserError(f"{request.source}: {request.written('mixed_precision')} contradicts the recipe's {recipe_says}; "
+                    f"set it to '{asked}' or remove it, so that one precision is asked for.")
+
+
+def _check_deepspeed_fields(request: LaunchRequest, training) -> None:
+    """DeepSpeed's accumulation and clipping from the accelerate file (without a JSON) must be the recipe's:
+    transformers compares them once the model is loaded and stops there."""
+    for name, recipe_key in (("gradient_accumulation_steps", "gradient_accumulation_steps"),
+                             ("gradient_clipping", "max_grad_norm")):
+        value, wanted = request.value(name), getattr(training, recipe_key)
+        if value is None or str(value) == "auto":
+            continue
+        try:
+            agrees = float(value) == float(wanted)
+        except (TypeError, ValueError):
+            agrees = False
+        if not agrees:
+            where = " under deepspeed_config" if name not in request.flags else ""
+            raise UserError(f"{request.source}: {request.written(name)}{where} contradicts the recipe's "
+                            f"`{recipe_key}: {wanted}`; remove it so that the recipe decides, or make the two equal.")
+
+
+def _compilation_contradiction(request: LaunchRequest, training) -> list[str]:
+    """A dynamo backend in the file compiles the whole model in accelerate. This toolkit compiles through the recipe's
+    torch_compile (finetune/compilation.py), and lets the file's dynamo_config decide only where it compiles the
+    whole model itself: compiled, without checkpointing."""
+    backend = str(request.value("dynamo_backend") or "no").upper()
+    if backend == "NO":
+        return []
+    written = request.written("dynamo_backend")
+    if not training.torch_compile:
+        why = "no GPU here" if cpu.on_cpu() else "the recipe's `torch_compile: false`"
+        raise UserError(f"{request.source}: {written} would compile the whole model of a run that is not compiled "
+                        f"({why}); set it to 'NO', compiling is the recipe's `torch_compile`.")
+    if _checkpointing(training):
+        raise UserError(f"{request.source}: {written} would compile the whole model around the checkpointed layers "
+                        f"that `torch_compile` with `gradient_checkpointing` compiles one by one; set it to 'NO'.")
+    return [f"{request.source}: {written} compiles the whole model as its dynamo_config says, not each decoder layer"]

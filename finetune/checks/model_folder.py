@@ -1,0 +1,239 @@
+"""TODO docstring"""
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from finetune import families, run_folder
+from finetune.config.launch_request import accelerate_config_file
+from finetune.errors import UserError
+from finetune.models import tiny
+from finetune.run_folder import RUN_RECORD
+
+
+def resolve_model_path(run) -> str:
+    """The folder or hub id to load, checked (`check_model`): the recipe's model, or its tiny stand-in under --tiny
+    (its width checked first), and against an FSDP launch's layer classes to wrap (`check_fsdp_wrap`). A model of no
+    family (finetune/families.py) is refused here, before anything loads, where the run needs its family: for the
+    tiny stand-in, and for `experts_implementation` (model_init_kwargs)."""
+    name, revision = run.model.model_name_or_path, run.model.model_revision
+    if run.finetune.tiny:
+        family = families.family_of(name, revision).name
+        tiny.check_width(family, run.finetune.tiny_width, run.recipe_path or "command line")
+        path = str(tiny.tiny_model_folder(family, run.finetune.tiny_width))
+    else:
+        check_model(name, "--model_name_or_path", revision=revision)
+        if run.finetune.experts_implementation:
+            families.family_of(name, revision)  # refused now rather than once the tokenizer and the data have loaded
+        path = name
+    check_fsdp_wrap(path, name)
+    return path
+
+
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+
+
+WEIGHTS, WEIGHTS_INDEX = "model.safetensors", "model.safetensors.index.json"
+
+
+# The JSON files from_pretrained reads: an empty or cut one fails deep in transformers or tokenizers with a traceback
+JSON_FILES = ("config.json", "generation_config.json", "tokenizer_config.json", "special_tokens_map.json",
+              "tokenizer.json", WEIGHTS_INDEX, ADAPTER_CONFIG)
+
+
+REMAKE = "re-download the model or re-save it with save_pretrained"
+
+
+REMAKE_ADAPTER = "re-save the adapter with save_pretrained, or pass one of its run's complete checkpoint-N folders"
+
+
+def check_model(name: str, flag: str, base: str | None = None, base_flag: str | None = None,
+                revision: str | None = None) -> str | None:
+    """Refuse before loading, in one sentence naming the file and the fix, a model that cannot load: a path that is
+    no folder, a hub id missing from the offline cache, a damaged folder (its JSON files, its weights), a training
+    run without its final model, or a LoRA adapter whose base model is any of these. Reads the JSON files and the
+    weights' headers, nothing more. Returns the base model an adapter folder loads on (`base`, else its adapter_config.json's); None for a model."""
+    problem = model_problem(name, flag, revision)
+    if problem:
+        raise UserError(problem)
+    adapter_config = Path(name).expanduser() / ADAPTER_CONFIG
+    if not adapter_config.is_file():
+        return None
+    base = base or json.loads(adapter_config.read_text(encoding="utf-8")).get("base_model_name_or_path")
+    if not base or not isinstance(base, str):
+        fix = f"pass {base_flag} MODEL" if base_flag else "set it to the base model's folder or hub id"
+        raise UserError(f"{adapter_config}: names no base model (base_model_name_or_path); {fix}.")
+    problem = _adapter_weights_problem(adapter_config.parent)
+    if problem:
+        raise UserError(problem)
+    problem = model_problem(base, base_flag or f"base_model_name_or_path in {ADAPTER_CONFIG}")
+    if problem:
+        raise UserError(f"{adapter_config}: its base model cannot be loaded: {problem}")
+    if (Path(base).expanduser() / ADAPTER_CONFIG).is_file():  # transformers would load it with its own adapter on
+        raise UserError(f"{base}: a LoRA adapter, not the base model of {name}, which would then carry two adapters; "
+                        f"pass {base_flag or 'base_model_name_or_path'} the model it was trained on.")
+    return base
+
+
+def model_problem(name: str, flag: str, revision: str | None = None) -> str | None:
+    """Why a model folder or hub id cannot load, as one sentence naming the file and the fix; None when it can."""
+    folder = Path(name).expanduser()
+    if folder.is_file():
+        return f"{name}: a file, not a model folder; pass the folder that holds the model to {flag}."
+    if folder.is_dir():
+        return _folder_problem(folder, flag)
+    return _hub_problem(name, flag, revision)
+
+
+def _hub_problem(name: str, flag: str, revision: str | None) -> str | None:
+    """A name that is no hub id either, or (offline) a hub model missing from the cache or damaged there."""
+    from huggingface_hub import constants, try_to_load_from_cache
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return f"{name}: no such folder; pass a model folder or a hub id to {flag}."
+    if not constants.HF_HUB_OFFLINE:
+        return None  # downloaded as it loads; the loader's own error names a hub id that does not exist
+    cached = try_to_load_from_cache(name, "config.json", revision=revision)
+    if not isinstance(cached, str):
+        return (f"{name}: no such folder, and no hub model of that id is in the local cache while HF_HUB_OFFLINE is "
+                f"set; download it where there is network (`hf download {name}`) or pass a local model folder to "
+                f"{flag}.")
+    return _folder_problem(Path(cached).parent, flag)
+
+
+def _folder_problem(folder: Path, flag: str) -> str | None:
+    if (folder / RUN_RECORD).is_file() and not (folder / run_folder.FINAL_MARKER).is_file():
+        newest = run_folder.newest_complete(folder)
+        instead = f"use its newest complete checkpoint {newest} instead, or " if newest else ""
+        return (f"{folder}: this training run has no complete final model (no {run_folder.FINAL_MARKER}: training "
+                f"is still running, was stopped, or its final save was cut short); {instead}relaunch the training "
+                f"command to finish it.")
+    problem = next(filter(None, (_json_problem(folder / name) for name in JSON_FILES)), None)
+    if problem or (folder / ADAPTER_CONFIG).is_file():
+        return problem  # an adapter's weights and base are checked once its base is known
+    if not (folder / "config.json").is_file():
+        return (f"{folder}: holds neither a model (config.json) nor a LoRA adapter (adapter_config.json); pass a model "
+                f"folder or a finished training run's output_dir to {flag}.")
+    return _config_problem(folder) or _weights_problem(folder)
+
+
+def _json_problem(path: Path) -> str | None:
+    if not path.is_file():
+        return None
+    try:
+        text = path.read_text(encoding="utf-8")
+        value = json.loads(text)
+    except UnicodeDecodeError:
+        what = "not UTF-8 text"
+    except ValueError as error:
+        what = "empty" if not text.strip() else f"not valid JSON ({error.msg} at line {error.lineno})"
+    else:
+        if isinstance(value, dict):
+            return None
+        what = f"a JSON {type(value).__name__}, not an object"
+    return f"{path}: {what}, so it was cut short or damaged; {REMAKE_ADAPTER if path.name == ADAPTER_CONFIG else REMAKE}."
+
+
+def _config_problem(folder: Path) -> str | None:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    settings = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    model_type = settings.get("model_type")
+    if "auto_map" in settings:
+        return None  # the model's own code: loading refuses it without trust_remote_code
+    if model_type is None:  # save_pretrained always writes it: a config.json without it is not a whole one
+        return f"{folder / 'config.json'}: names no `model_type`, so transformers cannot tell the model; {REMAKE}."
+    if model_type not in CONFIG_MAPPING:
+        import transformers
+
+        return (f"{folder / 'config.json'}: `model_type: {model_type}` is unknown to transformers "
+                f"{transformers.__version__}; upgrade transformers if the model is newer, else {REMAKE}.")
+    return None
+
+
+def _weights_problem(folder: Path) -> str | None:
+    """A full model's safetensors weights: there, listed by the index if sharded, each complete."""
+    index = folder / WEIGHTS_INDEX
+    if index.is_file():
+        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            return f"{index}: lists no weights (`weight_map`); {REMAKE}."
+        shards = sorted(set(map(str, weight_map.values())))
+    elif (folder / WEIGHTS).is_file():
+        shards = [WEIGHTS]
+    else:
+        pickled = sorted(path.name for path in folder.glob("*.bin"))
+        found = f"only {', '.join(pickled)}, which this toolkit never unpickles" if pickled else "no weights"
+        return f"{folder}: holds {found} (no {WEIGHTS} or {WEIGHTS_INDEX}); {REMAKE} (it writes safetensors)."
+    for shard in shards:
+        if not (folder / shard).is_file():
+            return f"{index}: lists {shard}, which is missing; {REMAKE}."
+        problem = run_folder.safetensors_problem(folder / shard)
+        if problem:
+            return f"{folder}/{problem}; {REMAKE}."
+    return None
+
+
+def _adapter_weights_problem(folder: Path) -> str | None:
+    weights = next((folder / name for name in ADAPTER_WEIGHTS if (folder / name).is_file()), None)
+    if weights is None:
+        return f"{folder}: holds no adapter weights ({ADAPTER_WEIGHTS[0]}); {REMAKE_ADAPTER}."
+    problem = run_folder.safetensors_problem(weights) if weights.suffix == ".safetensors" else None
+    return f"{folder}/{problem}; {REMAKE_ADAPTER}." if problem else None
+
+
+def _skeleton(model_path: str):
+    """The model's modules on the meta device (no weights, no memory), or None for a model that cannot be built so:
+    the checks reading it are then left to the load."""
+    try:
+        config = AutoConfig.from_pretrained(model_path)
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config)
+    except Exception:
+        return None
+
+
+def check_fsdp_wrap(model_path: str, name: str) -> None:
+    """An FSDP file's `fsdp_transformer_layer_cls_to_wrap` (accelerate's own examples name BertLayer) must name layer
+    classes of this model: accelerate fails on it only once the model is loaded."""
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true" or \
+            os.environ.get("FSDP_AUTO_WRAP_POLICY", "TRANSFORMER_BASED_WRAP") != "TRANSFORMER_BASED_WRAP":
+        return
+    wanted = [cls.strip() for cls in os.environ.get("FSDP_TRANSFORMER_CLS_TO_WRAP", "").split(",") if cls.strip()]
+    skeleton = _skeleton(model_path) if wanted else None
+    if skeleton is None:
+        return
+    classes = {type(module).__name__ for module in skeleton.modules()}
+    missing = [cls for cls in wanted if cls not in classes]
+    if missing:
+        layers = ", ".join(getattr(skeleton, "_no_split_modules", None) or sorted(classes))
+        raise UserError(f"{accelerate_config_file()}: `fsdp_transformer_layer_cls_to_wrap: {','.join(wanted)}` names "
+                        f"{', '.join(missing)}, which {name} does not have (its decoder layers: {layers}); "
+                        f"remove the field to wrap each decoder layer, as accelerate_configs/fsdp.yaml does.")
+
+
+def check_lora_targets(run, model_path: str) -> None:
+    """LoRA target modules that match no layer of the model: refused before loading, naming the layers there are.
+    peft adapts what matches and says nothing of a misspelled name beside a right one (or fails after loading when
+    none matches). The model's layers are read from a skeleton on the meta device."""
+    targets = run.model.lora_target_modules
+    if not run.model.use_peft or not targets or targets in ("all-linear", ["all-linear"]) or isinstance(targets, str):
+        return
+    skeleton = _skeleton(model_path)
+    if skeleton is None:  # peft's own check still runs at load
+        return
+    names = [name for name, module in skeleton.named_modules() if isinstance(module, torch.nn.Linear)]
+    unmatched = [target for target in targets if not any(name == target or name.endswith("." + target) for name in names)]
+    if unmatched:
+        layers = sorted({name.rsplit(".", 1)[-1] for name in names})
+        raise UserError(f"{run.recipe_path or 'command line'}: `lora_target_modules` {unmatched} match no layer of "
+                        f"{run.model.model_name_or_path}; its linear layers are {layers} (or use all-linear).")

@@ -1,0 +1,266 @@
+"""TODO docstring"""
+
+import difflib
+import importlib.util
+import os
+from pathlib import Path
+
+from finetune import families
+from finetune.checks import launch as accelerate_checks
+from finetune.checks.relaunch import check_output_dir, check_resume_checkpoint
+from finetune.config import numbers
+from finetune.config.launch_request import (
+    accelerate_config_file,
+    asked_deepspeed_file,
+    read_deepspeed_config,
+    requested_strategy,
+)
+from finetune.errors import UserError, one_sentence
+from finetune.models import cpu, fp8
+
+
+def check(run) -> None:
+    """Refuse contradictory settings before any model or dataset is loaded."""
+    source = run.recipe_path or "command line"
+    model = run.model
+    if not model.model_name_or_path:
+        raise UserError(f"{source}: `model_name_or_path` is not set; give a hub id or a local folder.")
+    name = model.model_name_or_path
+    if not run.finetune.tiny and name.startswith((".", "/", "~")) and not Path(name).expanduser().is_dir():
+        raise UserError(f"{name}: model folder not found; fix --model_name_or_path (a hub id or a local folder).")
+    if model.load_in_4bit and not model.use_peft:
+        raise UserError(f"{source}: `load_in_4bit: true` (QLoRA) trains 4-bit weights only through LoRA; add "
+                        f"`use_peft: true`.")
+    lora_keys = sorted(key for key in run.explicit_keys if key.startswith("lora_") or key in ("use_rslora", "use_dora"))
+    if lora_keys and not model.use_peft:
+        raise UserError(
+            f"{source}: `{lora_keys[0]}` is set but `use_peft` is false, so it would be ignored; "
+            f"add `use_peft: true` or drop the LoRA settings."
+        )
+    if not 0 < run.finetune.activation_memory_budget <= 1:
+        raise UserError(f"{source}: `activation_memory_budget: {run.finetune.activation_memory_budget}` is the "
+                        f"fraction of a compiled layer's activations it may keep; give a value above 0 and at most 1.")
+    if run.training.activation_offloading and cpu.on_cpu():  # a recipe's value is already off (cpu.cpu_overrides)
+        raise UserError("command line: `--activation_offloading true` moves activations out of GPU memory and this "
+                        "machine has no GPU; drop the flag here.")
+    if model.load_in_4bit and model.load_in_8bit:
+        raise UserError(f"{source}: `load_in_4bit` and `load_in_8bit` are both true; keep one of them.")
+    strategy = requested_strategy()
+    if model.load_in_4bit and strategy in ("fsdp", "zero3"):
+        raise UserError(
+            f"{accelerate_config_file()}: QLoRA's 4-bit weights cannot be "
+            f"sharded by {strategy.upper()} here; launch with accelerate_configs/ddp.yaml or zero2.yaml instead."
+        )
+    check_mxfp4(run, source)
+    if model.lora_target_parameters and not families.family_of(model.model_name_or_path, model.model_revision).experts:
+        raise UserError(
+            f"{source}: `lora_target_parameters` adapts mixture-of-experts weights, which "
+            f"{model.model_name_or_path} does not have; remove it or use lora_target_modules."
+        )
+    numbers.check_numbers(lambda key: run_value(run, key), source)
+    check_attention(model, source)
+    check_optimizer_installed(run.training, source)
+    check_mlflow_installed(run.training, source)
+    check_report_to(run.training, source)
+    check_hub_push(run.training, source)
+    check_chat_template(run, source)
+    fp8.check(run, source)
+    accelerate_checks.check_run(run)
+    check_deepspeed_agrees(run)
+    check_resume_checkpoint(run)
+    check_output_dir(run)
+
+
+def check_mlflow_installed(training, source: str) -> None:
+    """Before anything loads: transformers would otherwise fail deep inside the Trainer's construction."""
+    if "mlflow" in (training.report_to or []) and importlib.util.find_spec("mlflow") is None:
+        raise UserError(
+            f"{source}: `report_to: mlflow` needs the mlflow package, which is not installed; "
+            f"pip install -e \".[mlflow]\" or drop mlflow from report_to."
+        )
+
+
+# transformers' reporting integrations that need a package of their own, and its name on PyPI (mlflow: tracking.py)
+REPORTING_PACKAGES = {"wandb": "wandb", "tensorboard": "tensorboard", "comet_ml": "comet-ml", "neptune": "neptune",
+                      "clearml": "clearml", "dvclive": "dvclive", "codecarbon": "codecarbon", "swanlab": "swanlab",
+                      "trackio": "trackio"}
+
+
+def check_report_to(training, source: str) -> None:
+    """transformers builds the `report_to` callbacks with the Trainer, after the model has loaded, and fails there on
+    an integration it does not know or whose package is missing."""
+    from transformers.integrations import get_available_reporting_integrations
+    from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
+
+    names = [name for name in training.report_to or [] if name not in ("none", "all")]
+    for name in names:
+        if name not in INTEGRATION_TO_CALLBACK:
+            close = difflib.get_close_matches(name, INTEGRATION_TO_CALLBACK, n=1)
+            meant = f"did you mean `{close[0]}`? " if close else ""
+            raise UserError(f"{source}: `report_to: {name}` is no integration transformers knows ({meant}it knows "
+                            f"{', '.join(sorted(INTEGRATION_TO_CALLBACK))}); fix `report_to` or set `report_to: none`.")
+    available = set(get_available_reporting_integrations())
+    missing = [name for name in names if name in REPORTING_PACKAGES and name not in available]
+    if missing:
+        packages = " ".join(REPORTING_PACKAGES[name] for name in missing)
+        whose, it = ("whose package is", "it") if len(missing) == 1 else ("whose packages are", "them")
+        raise UserError(f"{source}: `report_to` names {' and '.join(missing)}, {whose} not installed; `pip install "
+                        f"{packages}`, or remove {it} from report_to (`report_to: none` logs nowhere).")
+
+
+def check_hub_push(training, source: str) -> None:
+    """`push_to_hub: true` creates the hub repository when the Trainer is built, after the model has loaded: offline
+    or without a token that fails there, so it is refused here. (--tiny turns pushing off: _scale_down_for_tiny.)"""
+    if not training.push_to_hub:
+        return
+    if os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE"):  # huggingface_hub's reading
+        raise UserError(f"{source}: `push_to_hub: true` uploads to the hub, and HF_HUB_OFFLINE is set; set "
+                        f"`push_to_hub: false` (upload output_dir later with `hf upload`) or unset HF_HUB_OFFLINE.")
+    from huggingface_hub import get_token
+
+    if get_token() is None:
+        raise UserError(f"{source}: `push_to_hub: true` needs a Hugging Face token and none is set; run `hf auth "
+                        f"login` or set HF_TOKEN, or set `push_to_hub: false`.")
+
+
+def check_chat_template(run, source: str) -> None:
+    """TRL masks the loss to the answers with the template's {% generation %} markers, and fails after loading the
+    model when a template it cannot rewrite has none."""
+    from trl.chat_template_utils import has_generation_markers
+
+    template = run.finetune.chat_template
+    if template and run.training.assistant_only_loss and not has_generation_markers(template):
+        raise UserError(f"{source}: `assistant_only_loss: true` needs {{% generation %}} markers around the answers in "
+                        f"the recipe's `chat_template`, which has none; add them or set `assistant_only_loss: false`.")
+
+
+def run_value(run, key: str):
+    """The parsed value of a recipe key, whichever of the run's argument classes holds it (None: none does)."""
+    for arguments in (run.training, run.model, run.finetune, run.script):
+        if hasattr(arguments, key):
+            return getattr(arguments, key)
+    return None
+
+
+def check_optimizer_installed(training, source: str) -> None:
+    """The package an optimizer needs (torchao's 8-bit AdamW, LOMO, GaLore, schedule-free...), which transformers
+    imports only once the model is loaded."""
+    from transformers import Trainer
+
+    try:
+        Trainer.get_optimizer_cls_and_kwargs(training)
+    except (ImportError, ValueError) as error:
+        if isinstance(error, ImportError) or "install" in str(error):
+            why = one_sentence(error).split(". ")[0].rstrip(".")
+            optim = getattr(training.optim, "value", training.optim)
+            raise UserError(f"{source}: `optim: {optim}` needs a package that is not installed ({why}); "
+                            f"install it, or use `optim: adamw_torch`.") from None
+
+
+def check_attention(model, source: str) -> None:
+    """An attention implementation transformers knows (a kernel of its own, a `paged|` one, a hub kernel's id) or
+    this toolkit's varlen kernel (attention.py)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from finetune.models.attention import VARLEN_ATTENTION
+
+    known = ["eager", VARLEN_ATTENTION, *ALL_ATTENTION_FUNCTIONS.keys()]
+    name = model.attn_implementation
+    if name is None or "/" in name or name in known or name.removeprefix("paged|") in known:
+        return
+    raise UserError(f"{source}: `attn_implementation: {name}` is not an attention transformers knows; use one of "
+                    f"{', '.join(dict.fromkeys(known))} or a hub kernel's id (org/name).")
+
+
+def check_mxfp4(run, source: str) -> None:
+    """An MXFP4 checkpoint (the recipe's, which --tiny stands in for) trains only dequantized to the training dtype."""
+    from finetune.models import mxfp4
+
+    name = run.model.model_name_or_path
+    if not mxfp4.is_mxfp4_checkpoint(name):
+        return
+    if not run.finetune.dequantize_mxfp4:
+        raise UserError(
+            f"{source}: `dequantize_mxfp4: false` keeps {name}'s experts in 4-bit MXFP4, which carry no gradients "
+            f"(nothing would train through them); remove it so they load dequantized to the training dtype."
+        )
+    if run.model.load_in_4bit or run.model.load_in_8bit:
+        flag = "load_in_4bit" if run.model.load_in_4bit else "load_in_8bit"
+        raise UserError(
+            f"{source}: `{flag}: true` asks bitsandbytes to quantize {name}, whose experts are already MXFP4 and "
+            f"load dequantized; remove {flag} (LoRA on the bf16 model is the GPT-OSS recipe)."
+        )
+
+
+# DeepSpeed JSON keys that must equal the recipe's value when they are not "auto".
+DEEPSPEED_RECIPE_KEYS = {
+    "train_micro_batch_size_per_gpu": "per_device_train_batch_size",
+    "gradient_accumulation_steps": "gradient_accumulation_steps",
+    "gradient_clipping": "max_grad_norm",
+}
+
+
+# What accelerate puts in place of a key the JSON leaves out (DeepSpeedPlugin.__post_init__); the others follow the
+# recipe
+DEEPSPEED_UNSET = {"gradient_accumulation_steps": 1}
+
+
+# A DeepSpeed JSON's own blocks, and the recipe key each would replace: transformers then builds DeepSpeed's optimizer
+# or schedule instead of the recipe's, without a word.
+DEEPSPEED_BLOCKS = {"optimizer": "optim", "scheduler": "lr_scheduler_type"}
+
+
+def check_deepspeed_agrees(run) -> None:
+    """A DeepSpeed JSON that hard-codes what the recipe decides (batch size, accumulation, clipping, bf16/fp16, which
+    transformers compares only once the model is loaded), or brings an optimizer or a schedule of its own: every
+    contradiction at once, in one sentence naming both values."""
+    config_file = asked_deepspeed_file()
+    if not config_file:
+        return
+    written = read_deepspeed_config(config_file)
+    deepspeed = {**DEEPSPEED_UNSET, **written}
+    training = run.training
+    values = [f"`{key}: {deepspeed[key]}`{'' if key in written else ' (left out: accelerate sets it)'} contradicts "
+              f"the recipe's `{recipe_key}: {getattr(training, recipe_key)}`"
+              for key, recipe_key in DEEPSPEED_RECIPE_KEYS.items()
+              if not _deepspeed_value_is(deepspeed.get(key, "auto"), getattr(training, recipe_key))]
+    batch = training.per_device_train_batch_size * training.gradient_accumulation_steps * int(
+        os.environ.get("WORLD_SIZE", "1"))
+    if not _deepspeed_value_is(deepspeed.get("train_batch_size", "auto"), batch):
+        values.append(f"`train_batch_size: {deepspeed['train_batch_size']}` is not the recipe's per-device batch "
+                      f"× accumulation × processes, {batch}")
+    asked = accelerate_checks.asked_precision(run)
+    for dtype in ("bf16", "fp16"):
+        enabled = str((deepspeed.get(dtype) or {}).get("enabled", "auto")).lower()
+        if enabled == "auto" or (enabled == "true") == bool(getattr(training, dtype)):
+            continue
+        if (enabled == "true") == (asked == dtype):  # the recipe's precision, which a machine without a GPU replaces
+            values.append(f"`{dtype}.enabled: {enabled}` asks for {dtype}, which this machine without a GPU does "
+                          f"not train in (float32)")
+        else:
+            values.append(f"`{dtype}.enabled: {enabled}` contradicts the recipe's "
+                          f"{f'`{asked}: true`' if asked != 'no' else '`bf16: false`'}")
+    blocks = [f"its `{block}` block ({(deepspeed[block] or {}).get('type')}) would replace the recipe's "
+              f"`{key}: {getattr(getattr(training, key), 'value', getattr(training, key))}`"
+              for block, key in DEEPSPEED_BLOCKS.items() if block in deepspeed]
+    compiling = deepspeed.get("compile") or {}
+    if compiling and not compiling.get("disable", False) and not training.torch_compile:  # DeepSpeed compiles only then
+        blocks.append(f"its `compile` block ({compiling.get('backend', 'inductor')}) is ignored by a run that is not "
+                      f"compiled (`torch_compile: false`)")
+    if not values and not blocks:
+        return
+    fixes = ([f"set {'them' if len(values) > 1 else 'it'} to \"auto\""] if values else []) + (
+        [f"delete {'those blocks' if len(blocks) > 1 else 'that block'}"] if blocks else [])
+    raise UserError(f"{config_file}: {_listed(values + blocks)}; {' and '.join(fixes)} so that the recipe decides.")
+
+
+def _deepspeed_value_is(value, wanted) -> bool:
+    """A JSON value agrees with the recipe's when it is "auto" or the same number."""
+    try:
+        return value == "auto" or float(value) == float(wanted)
+    except (TypeError, ValueError):
+        return False
+
+
+def _listed(parts: list[str]) -> str:
+    return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]

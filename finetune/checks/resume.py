@@ -1,0 +1,180 @@
+"""Relaunching a run with other arguments: what a checkpoint can continue with and what it cannot.
+
+The run record (`finetune_run.json`) keeps the settings of the launch that wrote the checkpoints. A relaunch that
+would resume from a checkpoint is compared with it before any model loads (the data fingerprint once the rows load,
+still before the model):
+
+- `FIXED`: the weights, the optimizer state or the position in the data would no longer mean what they meant; refused,
+  naming each changed field, with the way out (the old values, or a new output_dir).
+- `SCHEDULE`: the Trainer would silently keep the checkpoint's learning rate (the scheduler's saved base rates and the
+  optimizer's saved group rates win over the new value) while the shape of the schedule changes under it; refused
+  unless `--resume_with_new_schedule true`, which then applies the new one from the resumed step.
+- `CHANGEABLE`: applied and printed. The Trainer itself would keep the checkpoint's logging, eval and save cadence
+  (TrainerState.load_from_json); `ResumedRun` recomputes them from the new arguments.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from transformers import TrainerCallback
+
+from finetune.errors import UserError, say
+
+FIXED = {
+    "model_name_or_path": "the model", "tiny": "the model", "tiny_width": "the model", "use_peft": "the method",
+    "load_in_4bit": "the method", "load_in_8bit": "the method", "lora_r": "the adapter's shape",
+    "lora_alpha": "the adapter's scale", "use_rslora": "the adapter's scale", "use_dora": "the adapter's shape",
+    "lora_dropout": "the adapter", "lora_target_modules": "the adapted modules",
+    "lora_target_parameters": "the adapted modules", "lora_modules_to_save": "the adapted modules",
+    "dataset_name": "the data", "dataset_config": "the data", "dataset_train_split": "the data",
+    "dataset_mixture": "the data", "columns": "the data", "data_fingerprint": "the data",
+    "max_length": "the rows", "packing": "the rows", "padding_free": "the rows", "truncation": "the rows",
+    "assistant_only_loss": "the loss", "completion_only_loss": "the loss",
+    "seed": "the data order", "data_seed": "the data order", "per_device_train_batch_size": "the data position",
+    "gradient_accumulation_steps": "the data position",
+    "optim": "the optimizer state", "weight_decay": "the optimizer state", "adam_beta1": "the optimizer state",
+    "adam_beta2": "the optimizer state", "adam_epsilon": "the optimizer state",
+}
+
+
+SCHEDULE = ("learning_rate", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_ratio", "warmup_steps")
+
+
+CHANGEABLE = (
+    "max_steps", "num_train_epochs", "logging_steps", "logging_strategy", "eval_steps", "eval_strategy", "save_steps",
+    "save_strategy", "save_total_limit", "max_grad_norm", "gradient_checkpointing", "torch_compile",
+    "use_liger_kernel", "attn_implementation", "dtype", "report_to", "eval_samples_before_after", "sample_prompt",
+    "world_size",  # a sharded optimizer state refuses another count when it loads; DDP's full one takes it
+)
+
+
+FINGERPRINT_ROWS = 1000  # rows hashed, evenly spaced: a re-staged copy of the same file matches, an edited one not
+
+
+def _plain(value):
+    """A value as JSON keeps it, so that a recorded value and a new one compare equal when they mean the same."""
+    if isinstance(value, enum.Enum):
+        value = value.value
+    if isinstance(value, (list, tuple, set)) and all(isinstance(item, str) for item in value):
+        value = sorted(value)
+    return json.loads(json.dumps(value, default=str))
+
+
+def _value(run, name: str):
+    if name == "world_size":
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    if name == "data_fingerprint":
+        return run.data_fingerprint
+    for section in (run.training, run.model, run.script, run.finetune):
+        if hasattr(section, name):
+            return getattr(section, name)
+    return None
+
+
+def settings(run) -> dict:
+    """What the run record keeps of a launch, for the next relaunch to compare with."""
+    return {name: _plain(_value(run, name)) for name in (*FIXED, *SCHEDULE, *CHANGEABLE)}
+
+
+def data_fingerprint(dataset) -> str:
+    """The training rows' count and a hash of up to FINGERPRINT_ROWS of them, evenly spaced."""
+    count = len(dataset)
+    digest = hashlib.sha256(str(count).encode())
+    step = max(1, count // FINGERPRINT_ROWS)
+    for row in dataset.select(range(0, count, step)):
+        digest.update(json.dumps(row, sort_keys=True, default=str).encode())
+    return f"{count} rows, sha256 {digest.hexdigest()[:16]}"
+
+
+def _changes(recorded: dict, now: dict, names) -> list[tuple[str, object, object]]:
+    return [(name, recorded[name], now[name]) for name in names if name in recorded and recorded[name] != now[name]]
+
+
+def _listed(changes) -> str:
+    return ", ".join(f"`{name}` ({old!r} -> {new!r})" for name, old, new in changes)
+
+
+def check_relaunch(run, recorded: dict, checkpoint: Path, output_dir: Path) -> list[str]:
+    """Refuse what a resume from `checkpoint` cannot continue with; return the changed names it will apply."""
+    now = settings(run)
+    fixed = _changes(recorded, now, [name for name in FIXED if name != "data_fingerprint"])
+    if fixed:
+        reasons = sorted({FIXED[name] for name, _, _ in fixed})
+        raise UserError(
+            f"{output_dir}: this relaunch changes {_listed(fixed)}, which {checkpoint.name} cannot continue with (they "
+            f"change {' and '.join(reasons)}); relaunch with the values it was trained with, or pick a new "
+            f"--output_dir to train a new run."
+        )
+    schedule = _changes(recorded, now, SCHEDULE)
+    if schedule and not run.finetune.resume_with_new_schedule:
+        raise UserError(
+            f"{output_dir}: this relaunch changes {_listed(schedule)}, which resuming from {checkpoint.name} would "
+            f"silently ignore (the checkpoint's learning rate wins); add --resume_with_new_schedule true to apply it "
+            f"from the resumed step, or relaunch with the old value."
+        )
+    applied = schedule + _changes(recorded, now, CHANGEABLE)
+    if applied and int(os.environ.get("RANK", "0")) == 0:
+        say(f"resuming from {checkpoint.name} with {_listed(applied)} applied from its step on.")
+    return [name for name, _, _ in applied]
+
+
+def check_data_unchanged(run, recorded: dict, checkpoint: Path | None, output_dir: Path, train_set) -> None:
+    """Once the rows load (before the model): the data a checkpoint resumes into is the data it was trained on."""
+    run.data_fingerprint = data_fingerprint(train_set)
+    before = recorded.get("data_fingerprint")
+    if checkpoint is None or before is None or before == run.data_fingerprint:
+        return
+    raise UserError(
+        f"{output_dir}: the training rows changed since {checkpoint.name} was saved ({before}, now "
+        f"{run.data_fingerprint}), so resuming would skip or repeat rows; relaunch with the same data, or pick a new "
+        f"--output_dir to train on the new rows."
+    )
+
+
+class NothingLeftToTrain(Exception):
+    """The checkpoint resumed from is at max_steps (its final save was cut short): nothing is left to train."""
+
+
+class ResumedRun(TrainerCallback):
+    """On a resumed run: the new logging/eval/save cadence, and with --resume_with_new_schedule the new learning rate
+    (the scheduler's lambdas already follow the new arguments; its base rates and the groups' rates come from the
+    checkpoint). A run resumed at max_steps stops before the step the Trainer would otherwise train past it (its loop
+    checks max_steps only after a step)."""
+
+    def __init__(self, new_schedule: bool, learning_rate: float):
+        self.new_schedule = new_schedule
+        self.learning_rate = learning_rate
+
+    def on_train_begin(self, args, state, control, optimizer=None, lr_scheduler=None, **kwargs):
+        if state.global_step == 0:
+            return
+        state.compute_steps(args, state.max_steps)
+        if self.new_schedule and optimizer is not None and lr_scheduler is not None:
+            apply_learning_rate(optimizer, lr_scheduler, self.learning_rate)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step >= state.max_steps > 0:
+            raise NothingLeftToTrain()
+
+
+def apply_learning_rate(optimizer, lr_scheduler, learning_rate: float) -> None:
+    """Scale every group's base rate so that the largest becomes `learning_rate` (groups keep their ratios), and set
+    each group's current rate to where the new schedule is at the resumed step."""
+    from torch.optim.lr_scheduler import LambdaLR
+
+    if not isinstance(lr_scheduler, LambdaLR):
+        raise UserError(
+            f"command line: --resume_with_new_schedule applies to the Trainer's own schedules, not to "
+            f"{type(lr_scheduler).__name__}; relaunch without it and with the old learning rate."
+        )
+    scale = learning_rate / max(lr_scheduler.base_lrs)
+    lr_scheduler.base_lrs = [base * scale for base in lr_scheduler.base_lrs]
+    rates = [base * factor(lr_scheduler.last_epoch)
+             for base, factor in zip(lr_scheduler.base_lrs, lr_scheduler.lr_lambdas)]
+    for group, base, rate in zip(optimizer.param_groups, lr_scheduler.base_lrs, rates):
+        group["initial_lr"], group["lr"] = base, rate

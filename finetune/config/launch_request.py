@@ -1,0 +1,133 @@
+"""TODO docstring"""
+
+import json
+import os
+from pathlib import Path
+
+from finetune.config.files import local_or_shipped
+from finetune.errors import UserError
+
+# The arguments `finetune launch` gave `accelerate launch`, passed on to the training processes as a JSON list
+LAUNCH_ARGUMENTS = "FINETUNE_LAUNCH_ARGUMENTS"
+
+
+def arguments_after_accelerate_launch(command: list[str]) -> list[str] | None:
+    """What `command` gives `accelerate launch` (its flags, the script and the script's flags), or None when it is not
+    an `accelerate launch` command."""
+    for index, arg in enumerate(command):
+        after_accelerate = index > 0 and Path(command[index - 1]).name.startswith("accelerate")
+        if arg == "accelerate.commands.launch" or arg == "launch" and after_accelerate:
+            return command[index + 1:]
+    return None
+
+
+def accelerate_launch_arguments() -> list[str] | None:
+    """What the `accelerate launch` that started this training process was given, or None when none did. `finetune
+    launch` passes it in the environment. A plain `accelerate launch` exports what its config file and flags set, but
+    not the file's name nor fields it has no variable for (a one-process launch exports no `parallelism_config`), so
+    there it is read from that launcher's command line, the one record of it."""
+    passed = os.environ.get(LAUNCH_ARGUMENTS)
+    if passed is not None:
+        return json.loads(passed)
+    try:
+        launcher = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode().split("\0")[:-1]
+    except OSError:
+        return None
+    return arguments_after_accelerate_launch(launcher)
+
+
+def accelerate_config_file() -> str:
+    """The --config_file `accelerate launch` was given, for error messages."""
+    arguments = accelerate_launch_arguments()
+    if arguments is None:
+        return "the accelerate config file"
+    for index, arg in enumerate(arguments[:-1]):
+        if arg == "--config_file":
+            return arguments[index + 1]
+        if arg.startswith("--config_file="):
+            return arg.split("=", 1)[1]
+    return "the default accelerate config (`accelerate config`)"
+
+
+# accelerate refuses these fields of an accelerate config file beside a deepspeed_config_file, which holds them
+# (DeepSpeedPlugin._deepspeed_config_checks, accelerate 1.15-1.16), once the training arguments are built.
+FIELDS_NOT_BESIDE_DEEPSPEED_FILE = (
+    "gradient_accumulation_steps", "gradient_clipping", "zero_stage", "offload_optimizer_device",
+    "offload_param_device", "offload_param_nvme_path", "offload_optimizer_nvme_path", "zero3_save_16bit_model",
+    "mixed_precision")
+
+
+def fields_beside_deepspeed_file_refusal(config_file: str, deepspeed_file: str, fields: list[str]) -> UserError:
+    listed = " and ".join(f"`{field}`" for field in fields)
+    return UserError(
+        f"{config_file}: {listed} cannot be set beside `deepspeed_config_file: {deepspeed_file}` (accelerate refuses "
+        f"{'them' if len(fields) > 1 else 'it'} there: the JSON holds those settings); remove "
+        f"{'them' if len(fields) > 1 else 'it'} from that file, the JSON's \"auto\" values follow the recipe.")
+
+
+def read_deepspeed_config(config_file: str, accelerate_file: str | None = None) -> dict:
+    """The DeepSpeed JSON accelerate hands to DeepSpeed (named in `accelerate_file`, by default the launcher's), or a
+    UserError. In a DeepSpeed training process also the accelerate config fields the launcher exported beside it
+    (ACCELERATE_CONFIG_DS_FIELDS): accelerate refuses them with a message of its own when the training arguments are
+    built, which is after this is called."""
+    path = Path(local_or_shipped(config_file))
+    if not path.is_file():
+        raise UserError(
+            f"{accelerate_file or accelerate_config_file()}: deepspeed_config_file {config_file} not found; paths are "
+            f"relative to where you launch, so launch from the folder it is relative to (the project root for "
+            f"accelerate_configs/*.yaml) or make it absolute."
+        )
+    exported = os.environ.get("ACCELERATE_CONFIG_DS_FIELDS", "").split(",")
+    beside = [field for field in FIELDS_NOT_BESIDE_DEEPSPEED_FILE if field in exported]
+    if beside:
+        raise fields_beside_deepspeed_file_refusal(accelerate_config_file(), config_file, beside)
+    try:
+        values = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise UserError(f"{config_file}: not valid JSON at line {error.lineno}; fix the syntax there.") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{config_file}: not UTF-8 text; save it as UTF-8.") from None
+    if not isinstance(values, dict):
+        raise UserError(f"{config_file}: a DeepSpeed config is a JSON object of settings, not a "
+                        f"{type(values).__name__}; write it as one, e.g. {{\"zero_optimization\": {{\"stage\": 2}}, "
+                        f"...}} as ds_configs/*.json are.")
+    if not isinstance(values.get("zero_optimization"), dict):
+        raise UserError(f"{config_file}: no `zero_optimization` object, which accelerate requires; add "
+                        f"\"zero_optimization\": {{\"stage\": 2}} (or the stage you want), as ds_configs/*.json have.")
+    return values
+
+
+FSDP_V1_REFUSAL = (  # under both launchers
+    "an FSDP version 1 file (no `fsdp_version: 2` under `fsdp_config`), which accelerate runs with FSDP1's wrappers "
+    "and state dicts; this toolkit trains with FSDP2: use accelerate_configs/fsdp.yaml or add `fsdp_version: 2` with "
+    "FSDP2's fields as that file has them.")
+
+
+# What `accelerate launch` asked for is read from the variables it exports to the training processes, as accelerate's
+# own state reads them (AcceleratorState), in these three functions only.
+def fsdp_asked_for() -> bool:
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+
+
+def deepspeed_asked_for() -> bool:
+    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+
+
+def asked_deepspeed_file() -> str | None:
+    """The DeepSpeed JSON the launch passes on, when it asks for DeepSpeed with one."""
+    return (os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or None) if deepspeed_asked_for() else None
+
+
+def requested_strategy() -> str:
+    """What the accelerate config file asked for: fsdp, zero1-3, ddp or single."""
+    if fsdp_asked_for():
+        return "fsdp"
+    if deepspeed_asked_for():
+        config_file = asked_deepspeed_file()
+        stage = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")
+        if config_file:
+            stage = str(read_deepspeed_config(config_file).get("zero_optimization", {}).get("stage", stage))
+        return f"zero{stage}"
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return "ddp"
+    return "single"

@@ -1,0 +1,84 @@
+"""What `torch_compile: true` compiles, which of its dimensions may vary, and why it compiles once per region.
+
+Each decoder layer is compiled once and the compiled code reused by every layer (not the whole model: minutes less
+compiling; the LM head and the loss stay as TRL wrote them). A layer must then look the same to the compiler for every
+batch and every layer, or it recompiles, and after `torch._dynamo.config.recompile_limit` (8) recompilations of one
+frame it silently runs eagerly. On chat rows of varied length three things made it recompile (GPT-OSS-20B on an H200:
+145 recompilations, the first optimizer step after 370 s):
+
+- the sequence length (and the packed documents' count) differs from batch to batch: compiled with static shapes, every
+  new length is a new graph. The layers are compiled with dynamic shapes from the start (`dynamic=True`), so one graph
+  serves every length: no pass through static shapes first, as automatic dynamic shapes would take.
+- with LoRA the embeddings are frozen, so the first layer's input does not require a gradient and every other layer's
+  does: two graphs, and two of every graph after a break. The embedding output is made to require a gradient
+  (`enable_input_require_grads`, as transformers does for checkpointed adapters): one extra input-gradient in the first
+  layer's backward instead of a second compilation.
+- a packed row's maximum document length reaches the attention as a Python int; compiled with dynamic shapes it is
+  symbolic (finetune/attention.py takes it as it is, without reading it back from the GPU).
+"""
+
+import os
+
+import torch
+from transformers import TrainerCallback
+
+from finetune import patches
+
+DYNAMO_BACKEND_ENV = "ACCELERATE_DYNAMO_BACKEND"
+
+
+REGIONAL_COMPILATION_ENV = "ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION"
+
+
+DYNAMIC_SHAPES_ENV = "ACCELERATE_DYNAMO_USE_DYNAMIC"
+
+
+def prepare_process(training) -> None:
+    """Before the Trainer builds its Accelerator: without checkpointing accelerate compiles each decoder layer
+    (regional compilation), with dynamic shapes. `accelerate launch` exports its dynamo defaults to every process
+    (backend NO, regional compilation False), which would make `torch_compile: true` compile the whole model, TRL's
+    fused loss and its Triton launches included, once per row length (Llama-3.2-3B LoRA on an H200: no step in 170
+    s); so they are replaced unless the accelerate config file asked for a dynamo backend of its own, whose
+    dynamo_config then decides."""
+    if training.torch_compile and not training.gradient_checkpointing:
+        if os.environ.get(DYNAMO_BACKEND_ENV, "NO").upper() == "NO":
+            os.environ[REGIONAL_COMPILATION_ENV] = "true"
+            os.environ[DYNAMIC_SHAPES_ENV] = "true"
+
+
+def compile_per_layer(training) -> list[TrainerCallback]:
+    """With checkpointing the compiler must go inside each layer's checkpoint: compiled around it, one graph break in
+    the layer (GPT-OSS has some) makes dynamo run the whole checkpointed layer eagerly (pytorch#139989; GPT-OSS-20B on
+    an H200: 9.5k tok/s instead of 17.8k). Then the Trainer compiles nothing and the returned callback does it.
+    Call before the trainer is built, and give it the returned callbacks: its accelerator reads the arguments then."""
+    if not training.torch_compile or not training.gradient_checkpointing:
+        return []  # prepare_process asked accelerate for regional compilation
+    inside = CompileInsideCheckpoints(training.torch_compile_backend, training.torch_compile_mode,
+                                      offloading=training.activation_offloading)
+    training.torch_compile, training.torch_compile_backend, training.torch_compile_mode = False, None, None
+    return [inside]
+
+
+def call(function, *args):
+    return function(*args)
+
+
+class CompileInsideCheckpoints(TrainerCallback):
+    """Once the Trainer has switched checkpointing on, every checkpointed layer runs checkpoint(compiled(layer))
+    (finetune/patches.py: compile_inside_checkpoints); with `offloading`, TRL's activation offloading moves only
+    the checkpoints' inputs to the CPU, not the layers recomputed in backward."""
+
+    def __init__(self, backend: str | None, mode: str | None, offloading: bool = False):
+        self.compiled_call = torch.compile(call, backend=backend or "inductor", mode=mode, dynamic=True)
+        self.offloading = offloading
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        patches.compile_inside_checkpoints(model, self.compiled_call, self.offloading)
+
+
+def one_graph_for_every_layer(model, compiled: bool) -> None:
+    """Frozen embeddings (LoRA, QLoRA) give the first layer an input without a gradient and the others one with:
+    the embedding output is made to require one, so that every layer's input looks the same to the compiler."""
+    embeddings = model.get_input_embeddings()
+    if compiled and not embeddings.weight.requires_grad and not getattr(model, "_require_grads_hook", None):
+        model.enable_input_require_grads()

@@ -1,0 +1,109 @@
+"""The run's speed as the user's clock sees it, written beside the model (`finetune_speed.json`) and said in one line:
+seconds from the process's start to the first optimizer step (loading and compiling included), real (non-padding)
+tokens per second over the whole run and after the warm-up steps, peak GPU memory, and how many graphs the compiler
+built. TRL counts the real tokens (`num_tokens`, every logging step); the times are taken at the first step and at
+the steps that log, the GPU waited for there; the benchmarks read this file (with `logging_steps: 1`) rather than
+timing steps of their own.
+"""
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+from transformers import TrainerCallback
+
+from finetune.errors import say
+
+SPEED_RECORD = "finetune_speed.json"
+
+
+WARMUP_STEPS = 5  # steady state: from the first logged step after these to the last
+
+
+def process_start_time() -> float:
+    """When this process started (Linux: /proc), else now."""
+    try:
+        ticks = os.sysconf("SC_CLK_TCK")
+        started = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19]) / ticks
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return time.time() - uptime + started
+    except (OSError, ValueError, IndexError):
+        return time.time()
+
+
+def compiled_graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+class SpeedRecord(TrainerCallback):
+    def __init__(self, output_dir: str, is_main_process: bool):
+        self.path = Path(output_dir) / SPEED_RECORD
+        self.is_main_process = is_main_process
+        self.started = process_start_time()
+        self.train_begin = None
+        self.steps: list[dict] = []
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.train_begin = time.time()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        """The first step, the steps that log (the Trainer's flow callback has decided that by now) and the last:
+        the GPU is waited for only there, not at every step of the run."""
+        if self.steps and not control.should_log and state.global_step < state.max_steps:
+            return
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.steps.append({"step": state.global_step, "time": time.time(), "compiled_graphs": compiled_graphs()})
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "num_tokens" in logs and self.steps and self.steps[-1]["step"] == state.global_step:
+            self.steps[-1]["num_tokens"] = int(logs["num_tokens"])
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if not self.is_main_process or not self.steps:
+            return
+        record = self.summary()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps(record, indent=1) + "\n")
+        say(f"speed: {describe(record)} ({self.path})")
+
+    def summary(self) -> dict:
+        first, last = self.steps[0], self.steps[-1]
+        counted = [entry for entry in self.steps if "num_tokens" in entry]
+        steady = [entry for entry in counted if entry["step"] >= first["step"] + WARMUP_STEPS]
+        record = {
+            "process_start": self.started,
+            "train_begin": self.train_begin,
+            "seconds_to_first_step": round(first["time"] - self.started, 2),
+            "seconds_to_last_step": round(last["time"] - self.started, 2),
+            "steps": last["step"] - first["step"] + 1,
+            "compiled_graphs": last["compiled_graphs"],
+            "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available()
+            else None,
+            "step_log": self.steps,
+        }
+        if counted:
+            record["real_tokens"] = counted[-1]["num_tokens"]
+            seconds = counted[-1]["time"] - self.started
+            record["real_tokens_per_s_whole_run"] = round(counted[-1]["num_tokens"] / seconds)
+        if len(steady) >= 2:
+            tokens = steady[-1]["num_tokens"] - steady[0]["num_tokens"]
+            record["real_tokens_per_s_steady"] = round(tokens / (steady[-1]["time"] - steady[0]["time"]))
+        return record
+
+
+def describe(record: dict) -> str:
+    parts = [f"first optimizer step {record['seconds_to_first_step']:.0f} s after the process started"]
+    if "real_tokens_per_s_whole_run" in record:
+        parts.append(f"{record['real_tokens']:,} real tokens at {record['real_tokens_per_s_whole_run']:,} tok/s over "
+                     f"the run")
+    if "real_tokens_per_s_steady" in record:
+        parts.append(f"{record['real_tokens_per_s_steady']:,} tok/s after step {WARMUP_STEPS}")
+    if record["peak_memory_gib"] is not None:
+        parts.append(f"peak {record['peak_memory_gib']} GiB")
+    parts.append(f"{record['compiled_graphs']} compiled graphs")
+    return "; ".join(parts)

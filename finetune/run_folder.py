@@ -1,0 +1,229 @@
+"""TODO docstring"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+
+from finetune.errors import UserError, say
+
+RUN_RECORD = "finetune_run.json"
+
+
+def recorded_run(output_dir: str | Path) -> dict:
+    """The run record of an output folder ({} when there is none or it is unreadable)."""
+    try:
+        recorded = json.loads((Path(output_dir) / RUN_RECORD).read_text())
+    except (OSError, ValueError):
+        return {}
+    return recorded if isinstance(recorded, dict) else {}
+
+
+MARKER = "finetune_checkpoint.json"
+
+
+FINAL_MARKER = "finetune_final.json"  # written last, after the final model: the run is finished
+
+
+PREEMPTED_EXIT_CODE = 143
+
+
+CHECKPOINT_PATTERN = re.compile(r"^checkpoint-(\d+)$")
+
+
+# What a checkpoint needs besides its weights to resume exactly: one of these names for the optimizer state.
+OPTIMIZER_STATE = ("optimizer.pt", "optimizer.bin", "optimizer_0", "pytorch_model_fsdp_0")
+
+
+def _is_main() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def checkpoint_folders(output_dir: str | Path) -> list[tuple[int, Path]]:
+    """The `checkpoint-N` folders of a run, oldest step first."""
+    folder = Path(output_dir)
+    if not folder.is_dir():
+        return []
+    found = [(int(match.group(1)), path) for path in folder.iterdir()
+             if path.is_dir() and (match := CHECKPOINT_PATTERN.match(path.name))]
+    return sorted(found)
+
+
+def safetensors_problem(path: Path) -> str | None:
+    """Why a .safetensors file cannot be read whole (truncated, bad header), or None."""
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as handle:
+            header_length = int.from_bytes(handle.read(8), "little")
+            if size < 8 or 8 + header_length > size:
+                return f"{path.name} is truncated ({size} bytes, shorter than its own header)"
+            header = json.loads(handle.read(header_length))
+    except (OSError, ValueError, UnicodeDecodeError):
+        return f"{path.name} has an unreadable header"
+    data_end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"), default=0)
+    expected = 8 + header_length + data_end
+    if size < expected:
+        return f"{path.name} is truncated ({size} of {expected} bytes)"
+    if size > expected:
+        return f"{path.name} has {size - expected} bytes past its tensors"
+    return None
+
+
+def checkpoint_problem(folder: Path) -> str | None:
+    """Why a checkpoint folder must not be resumed from, or None when it is complete."""
+    marker_file = folder / MARKER
+    if not marker_file.is_file():
+        return f"no completeness marker ({MARKER}), so its save was interrupted"
+    try:
+        files = json.loads(marker_file.read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"its completeness marker {MARKER} is unreadable"
+    problem = _listed_files_problem(folder, files)
+    if problem:
+        return problem
+    names = set(files)
+    weights = ("global_step", "pytorch_model_fsdp")
+    if not any(name.endswith(".safetensors") or name.startswith(weights) for name in names):
+        return "it holds no weights (no .safetensors file)"
+    if "trainer_state.json" not in names:
+        return "trainer_state.json is missing"
+    if not any(name.split("/")[0] in OPTIMIZER_STATE or name.startswith("global_step") for name in names):
+        return "it holds no optimizer state (optimizer.pt is missing)"
+    for name in sorted(names):
+        if name.endswith(".safetensors"):
+            problem = safetensors_problem(folder / name)
+            if problem:
+                return problem
+    return None
+
+
+def _listed_files_problem(folder: Path, files: dict[str, int]) -> str | None:
+    """Why the files a marker lists are not all there at their sizes, or None."""
+    for name, size in sorted(files.items()):
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != size:
+            return f"{name} is truncated or changed ({path.stat().st_size} of {size} bytes)"
+    return None
+
+
+def newest_complete(output_dir: str | Path, report: bool = False) -> Path | None:
+    """The newest complete checkpoint of a run; with `report`, say which one and why newer ones were skipped."""
+    chosen, skipped = None, []
+    for step, folder in reversed(checkpoint_folders(output_dir)):
+        problem = checkpoint_problem(folder)
+        if problem is None:
+            chosen = folder
+            break
+        skipped.append((folder, problem))
+    if report:
+        for folder, problem in skipped:
+            say(f"skipping {folder}: {problem}")
+        if chosen is not None and skipped:
+            say(f"resuming from {chosen}: the newest complete checkpoint")
+        elif chosen is not None:
+            say(f"resuming from {chosen}")
+        elif skipped:
+            say(f"no complete checkpoint in {output_dir}: training from the start")
+    return chosen
+
+
+def resume_point(requested: str | None, output_dir: str, announce: bool = True) -> str | None:
+    """What `trainer.train(resume_from_checkpoint=...)` gets: the checkpoint asked for, checked, or the newest
+    complete one in output_dir (None: start from scratch). Prints the choice on the main process."""
+    if requested and str(requested).lower() not in ("true", "1", "yes"):
+        problem = checkpoint_problem(Path(requested)) if Path(requested).is_dir() else "the folder does not exist"
+        if problem:
+            raise UserError(
+                f"{requested}: cannot resume from this checkpoint ({problem}); pass another checkpoint-N folder to "
+                f"--resume_from_checkpoint, or leave it out to resume from the newest complete one."
+            )
+        if announce and _is_main():
+            say(f"resuming from {requested}")
+        return str(requested)
+    chosen = newest_complete(output_dir, report=_is_main())
+    return str(chosen) if chosen is not None else None
+
+
+def _fsync(path: Path) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def write_marker(folder: Path, step: int, world_size: int) -> None:
+    """Flush every file of a finished checkpoint to disk, then write the marker that says it is complete."""
+    files = _flushed_sizes(folder, folder.rglob("*"), MARKER)
+    marker = {"step": step, "world_size": world_size, "written_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "files": files}
+    write_atomically(folder / MARKER, json.dumps(marker, indent=1) + "\n")
+
+
+def _flushed_sizes(folder: Path, paths, marker: str) -> dict[str, int]:
+    """Each file of `paths` (but the marker and files being written aside) flushed to disk, by its name under folder."""
+    files = {}
+    for path in sorted(paths):
+        if path.is_file() and path.name != marker and not path.name.endswith(".tmp"):
+            _fsync(path)
+            files[str(path.relative_to(folder))] = path.stat().st_size
+    return files
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Write aside, flush to disk, rename: a kill or a full disk leaves the previous file or the new one, never half."""
+    temporary = path.with_name(path.name + ".tmp")
+    with open(temporary, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temporary, path)
+    _fsync(path.parent)
+
+
+def write_final_marker(output_dir: str | Path, step: int, length: dict) -> None:
+    """After the final save: flush the output folder's files and write the marker listing them, last and atomically,
+    so that a relaunch can tell a finished run (nothing to do) from one whose final save was cut short."""
+    folder = Path(output_dir)
+    files = _flushed_sizes(folder, folder.iterdir(), FINAL_MARKER)
+    marker = {"step": step, "length": length, "written_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "files": files}
+    write_atomically(folder / FINAL_MARKER, json.dumps(marker, indent=1) + "\n")
+
+
+def finished_step(output_dir: str | Path, length: dict) -> int | None:
+    """The step at which this run finished, when its final model is complete and it is relaunched to train as long
+    as before; None when there is training or a final save left to do."""
+    try:
+        marker = json.loads((Path(output_dir) / FINAL_MARKER).read_text())
+        files, step = marker["files"], int(marker["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if marker.get("length") != length or _listed_files_problem(Path(output_dir), files):
+        return None
+    return step
+
+
+def rotate(output_dir: str | Path, save_total_limit: int | None, keep: set[Path] = frozenset()) -> list[Path]:
+    """`save_total_limit`, applied only once the newest checkpoint is complete: keep the newest `save_total_limit`
+    complete checkpoints (and `keep`), delete older complete ones and incomplete ones older than the newest complete
+    one. Never deletes the newest complete checkpoint, nor anything newer than it."""
+    if not save_total_limit or save_total_limit <= 0:
+        return []
+    folders = checkpoint_folders(output_dir)
+    complete = [folder for _, folder in folders if checkpoint_problem(folder) is None]
+    if not complete:
+        return []
+    newest_step = int(CHECKPOINT_PATTERN.match(complete[-1].name).group(1))
+    kept = set(complete[-save_total_limit:]) | {Path(path).resolve() for path in keep}
+    deleted = []
+    for step, folder in folders:
+        if step >= newest_step or folder in kept or folder.resolve() in kept:
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+        deleted.append(folder)
+    return deleted
