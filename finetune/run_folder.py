@@ -1,4 +1,6 @@
-"""TODO docstring"""
+"""Every file of an output folder: the run record, checkpoints and the markers that say a checkpoint (or the final
+model) was written completely, atomic writes, and finding the newest complete checkpoint to resume from. Plain
+files and JSON only: the launcher, the checks and the run all read the folder through here."""
 
 from __future__ import annotations
 

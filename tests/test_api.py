@@ -122,8 +122,8 @@ def test_mlflow_asked_for_but_not_installed_is_one_sentence_before_loading(monke
     from trl import SFTConfig
 
     from finetune.errors import UserError
-    from finetune.run import tracking
+    from finetune.checks import recipe as recipe_checks
 
-    monkeypatch.setattr(tracking.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(recipe_checks.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(UserError, match=r'recipe.yaml: `report_to: mlflow` needs the mlflow package.*\[mlflow\]'):
-        tracking.check_installed(SFTConfig(output_dir="unused", report_to="mlflow", use_cpu=True), "recipe.yaml")
+        recipe_checks.check_mlflow_installed(SFTConfig(output_dir="unused", report_to="mlflow", use_cpu=True), "recipe.yaml")

@@ -1,0 +1,1 @@
+"""Every refusal that needs no loaded model: the recipe, the launch files, the model folder, the relaunch."""

@@ -1,4 +1,6 @@
-"""TODO docstring"""
+"""A model, adapter or tokenizer folder checked before it loads (missing, empty or damaged files, a hub id without
+network), and the model's layers read from a skeleton on the meta device: LoRA targets and FSDP wrap classes that
+match nothing are refused here instead of after loading."""
 
 import json
 import os

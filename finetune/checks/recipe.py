@@ -1,4 +1,6 @@
-"""TODO docstring"""
+"""The recipe's checks before anything loads: every number and setting against what the run can do, the launch
+files against the recipe, the output folder against the run it would continue. `check(run)` runs them all and
+raises the first problem as one sentence naming the file, the field and the fix."""
 
 import difflib
 import importlib.util

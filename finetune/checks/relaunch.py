@@ -1,4 +1,6 @@
-"""TODO docstring"""
+"""A launch into an output folder that already holds a run: finished, to continue from its newest complete
+checkpoint, or refused when a setting changed that the checkpoint cannot follow (finetune/checks/resume.py).
+Also the run record's identity of a run and the checkpoint `--resume_from_checkpoint` names."""
 
 from pathlib import Path
 

@@ -1,0 +1,1 @@
+"""One module per `finetune` subcommand, its parser beside its runner."""

@@ -1,4 +1,4 @@
-"""TODO docstring"""
+"""`finetune chat OUTPUT_DIR`: talk to a trained model in the terminal."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""TODO docstring"""
+"""`finetune eval OUTPUT_DIR`: held-out loss, exact match and token F1 of a trained model on a data file."""
 
 from __future__ import annotations
 

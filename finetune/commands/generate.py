@@ -1,4 +1,4 @@
-"""TODO docstring"""
+"""`finetune generate OUTPUT_DIR --prompts FILE`: answers of a trained model to a file of prompts, as JSONL."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""TODO docstring"""
+"""Argument types and options shared by the `finetune` subcommands: ranged numbers, writable files, the model
+flags of chat, generate and eval."""
 
 from __future__ import annotations
 

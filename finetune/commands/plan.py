@@ -1,4 +1,4 @@
-"""TODO docstring"""
+"""`finetune plan --config RECIPE --gpus N`: the memory plan and the launch command, without loading anything."""
 
 from __future__ import annotations
 

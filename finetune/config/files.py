@@ -16,7 +16,7 @@ from finetune.errors import UserError, say
 
 # The files the project ships beside the library (recipes/, accelerate_configs/, ds_configs/, data/sample), reached
 # through links inside the package so that a wheel (`pip install .` without -e) carries them too.
-SHIPPED_DIR = Path(__file__).parent / "shipped"
+SHIPPED_DIR = Path(__file__).parent.parent / "shipped"
 
 
 def shipped(relative: str) -> Path:

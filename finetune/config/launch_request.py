@@ -1,4 +1,6 @@
-"""TODO docstring"""
+"""What `accelerate launch` asked for, read from where accelerate leaves it: the launch's own arguments (handed down
+by `finetune launch`, or read from a plain `accelerate launch`'s command line), the variables it exports (FSDP,
+DeepSpeed and its JSON), and the strategy they name. Read without torch."""
 
 import json
 import os

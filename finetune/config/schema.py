@@ -1,4 +1,6 @@
-"""TODO docstring"""
+"""The schema of run keys, read without importing TRL or transformers: every key a recipe may set (the fields of
+ScriptArguments, SFTConfig, ModelConfig and finetune's own arguments), their defaults, and how a value is read
+as a boolean, a whole number or a number. The run and the planner both read recipes against this one list."""
 
 from __future__ import annotations
 

@@ -1,0 +1,1 @@
+"""The rows: finding and loading the data, its formats, and what each row must hold."""

@@ -14,7 +14,7 @@ from finetune import patches
 from finetune.errors import UserError
 from finetune.families import FAMILIES, TINY_WIDTH, load_architecture, trl_chat_template
 
-TINY_TOKENIZERS_DIR = Path(__file__).parent / "tiny_tokenizers"
+TINY_TOKENIZERS_DIR = Path(__file__).parent.parent / "tiny_tokenizers"
 
 
 TINY_MODEL_SEED = 0

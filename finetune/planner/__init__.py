@@ -1,0 +1,1 @@
+"""The per-GPU memory model and the choice of technique; json and yaml only, no torch."""

@@ -1,4 +1,5 @@
-"""TODO docstring"""
+"""A model's shape for the planner (hidden size, layers, heads, experts) and the parameter counts that follow from
+it, read from the project's copy of a hub config or a local folder's config.json."""
 
 from __future__ import annotations
 

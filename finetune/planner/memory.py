@@ -1,4 +1,5 @@
-"""TODO docstring"""
+"""The per-GPU peak-memory model: weights, gradients, optimizer states, activations and buffers under each technique
+(DDP, ZeRO-2, FSDP2, ZeRO-3, ZeRO-3 offload). The constants and their measurements: docs/planner.md."""
 
 from __future__ import annotations
 

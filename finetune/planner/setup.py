@@ -1,4 +1,5 @@
-"""TODO docstring"""
+"""What the planner reads from a recipe: model, method, sequence length, batch, checkpointing and the rest of the
+setup that decides memory, with the run's defaults for what the recipe leaves out."""
 
 from __future__ import annotations
 
