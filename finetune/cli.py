@@ -1,4 +1,4 @@
-"""The `finetune` console command: `finetune plan | merge | launch | chat | generate | eval ...`.
+"""The `finetune` console command: `finetune plan | check | merge | launch | chat | generate | eval ...`.
 
 Each subcommand is a function `add_<name>(subparsers)` that declares its arguments and sets `func`; heavy imports
 (torch, transformers) stay inside the subcommand's function so that `finetune plan` answers at once.
@@ -10,6 +10,7 @@ import argparse
 import sys
 
 from finetune.commands.chat import add_chat
+from finetune.commands.check import add_check
 from finetune.commands.eval import add_eval
 from finetune.commands.generate import add_generate
 from finetune.commands.launch import add_launch
@@ -17,7 +18,7 @@ from finetune.commands.merge import add_merge
 from finetune.commands.plan import add_plan
 from finetune.errors import UserError, report
 
-SUBCOMMANDS = [add_plan, add_merge, add_launch, add_chat, add_generate, add_eval]
+SUBCOMMANDS = [add_plan, add_check, add_merge, add_launch, add_chat, add_generate, add_eval]
 
 
 def build_parser() -> argparse.ArgumentParser:

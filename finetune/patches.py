@@ -26,6 +26,11 @@ says what to revisit and which test fails first.
   trl 1.16 `OffloadActivations` (saved-tensor hooks around `training_step`, forward and backward).
   guarded by: test_train.py::test_under_checkpointing_a_layer_with_a_graph_break_is_still_compiled_once_for_all_layers
   and test_train.py::test_offloading_compiled_checkpoints_moves_only_layer_inputs_and_keeps_the_gradients.
+- `validate_launch_command`
+  does: calls accelerate's `_validate_launch_command`, which completes the launcher's arguments from the config file.
+  why: `finetune check` builds the variables a training process would see, with accelerate's own code.
+  targets: accelerate 1.15-1.16 (returns args, defaults, mp_from_config_flag).
+  guarded by: tests/test_check.py.
 - `exit_without_teardown`
   does: runs the atexit handlers, flushes, then `os._exit(0)` at the end of a multi-process run.
   why: gloo's worker threads aborted a finished rank at interpreter teardown in about 1 of 100 CPU launches.
@@ -212,6 +217,15 @@ def zero3_init_off():
 def trainer_output_dir(trainer, trial) -> Path:
     """The folder the Trainer's own save writes checkpoints into: `output_dir`, or a search trial's subfolder."""
     return Path(trainer._get_output_dir(trial=trial))
+
+
+def validate_launch_command(args):
+    """accelerate's launcher arguments completed from the config file as `accelerate launch` completes them, and the
+    config file's values: (args, defaults)."""
+    from accelerate.commands.launch import _validate_launch_command
+
+    args, defaults, _ = _validate_launch_command(args)
+    return args, defaults
 
 
 def parser_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:

@@ -2,6 +2,7 @@
 are in tests/helpers.py."""
 
 import os
+import subprocess
 
 import pytest
 
@@ -17,7 +18,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 def pytest_configure(config):
     """Refuse the versions with which pytest-xdist's loadgroup ignores xdist_group marks (pytest-dev/pytest-xdist#1386):
-    the modules whose launches are shared module fixtures would repeat them on every worker, silently."""
+    the modules whose launches are shared module fixtures would repeat them on every worker, silently. Watch for
+    processes started by tests not marked `launches` (below)."""
+    subprocess.Popen.__init__ = _starts_a_process(subprocess.Popen.__init__)
     if config.getoption("dist", "no") != "loadgroup":
         return
     from importlib.metadata import version
@@ -36,3 +39,32 @@ def tiny_model_cache(tmp_path_factory):
     cache = tmp_path_factory.mktemp("tiny-models")
     os.environ["FINETUNE_TINY_CACHE"] = str(cache)
     return cache
+
+
+# ---- The fast tier: `pytest -m "not launches"` leaves out every test that starts a process -------------------------
+# A test (or a fixture it sets up) that starts a process without the mark fails, so the fast tier stays fast and the
+# mark stays true. FINETUNE_LAUNCH_RECORD=FILE lists such tests in FILE instead of failing them.
+_running = {"item": None}
+
+
+def _starts_a_process(popen_init):
+    def checked(self, *args, **kwargs):
+        item = _running["item"]
+        if item is not None and item.get_closest_marker("launches") is None:
+            record = os.environ.get("FINETUNE_LAUNCH_RECORD")
+            if not record:
+                raise RuntimeError(f"{item.nodeid} starts a process: mark it `@pytest.mark.launches` (the fast tier, "
+                                   f"pytest -m 'not launches', leaves such tests out)")
+            with open(record, "a") as out:
+                out.write(item.nodeid + "\n")
+        return popen_init(self, *args, **kwargs)
+    return checked
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _running["item"] = item
+    try:
+        return (yield)
+    finally:
+        _running["item"] = None

@@ -3,6 +3,7 @@ files against the recipe, the output folder against the run it would continue. `
 raises the first problem as one sentence naming the file, the field and the fix."""
 
 import difflib
+from collections.abc import Iterator
 import importlib.util
 import os
 from pathlib import Path
@@ -22,14 +23,33 @@ from finetune.models import cpu, fp8
 
 
 def check(run) -> None:
-    """Refuse contradictory settings before any model or dataset is loaded."""
+    """Refuse contradictory settings before any model or dataset is loaded: the first problem, as one sentence."""
+    for problem in problems(run):
+        raise problem
+
+
+def problems(run) -> Iterator[UserError]:
+    """The problems the checks that need no model find, one sentence each, check by check: a run stops at the first,
+    `finetune check` prints them all. A check that depends on an earlier one's answer (the output folder on the
+    resume checkpoint) stays inside that check."""
     source = run.recipe_path or "command line"
-    model = run.model
-    if not model.model_name_or_path:
+    for one_check in RUN_CHECKS:
+        try:
+            one_check(run, source)
+        except UserError as problem:
+            yield problem
+
+
+def check_model_named(run, source: str) -> None:
+    name = run.model.model_name_or_path
+    if not name:
         raise UserError(f"{source}: `model_name_or_path` is not set; give a hub id or a local folder.")
-    name = model.model_name_or_path
     if not run.finetune.tiny and name.startswith((".", "/", "~")) and not Path(name).expanduser().is_dir():
         raise UserError(f"{name}: model folder not found; fix --model_name_or_path (a hub id or a local folder).")
+
+
+def check_peft_settings(run, source: str) -> None:
+    model = run.model
     if model.load_in_4bit and not model.use_peft:
         raise UserError(f"{source}: `load_in_4bit: true` (QLoRA) trains 4-bit weights only through LoRA; add "
                         f"`use_peft: true`.")
@@ -39,12 +59,10 @@ def check(run) -> None:
             f"{source}: `{lora_keys[0]}` is set but `use_peft` is false, so it would be ignored; "
             f"add `use_peft: true` or drop the LoRA settings."
         )
-    if not 0 < run.finetune.activation_memory_budget <= 1:
-        raise UserError(f"{source}: `activation_memory_budget: {run.finetune.activation_memory_budget}` is the "
-                        f"fraction of a compiled layer's activations it may keep; give a value above 0 and at most 1.")
-    if run.training.activation_offloading and cpu.on_cpu():  # a recipe's value is already off (cpu.cpu_overrides)
-        raise UserError("command line: `--activation_offloading true` moves activations out of GPU memory and this "
-                        "machine has no GPU; drop the flag here.")
+
+
+def check_quantization(run, source: str) -> None:
+    model = run.model
     if model.load_in_4bit and model.load_in_8bit:
         raise UserError(f"{source}: `load_in_4bit` and `load_in_8bit` are both true; keep one of them.")
     strategy = requested_strategy()
@@ -54,21 +72,47 @@ def check(run) -> None:
             f"sharded by {strategy.upper()} here; launch with accelerate_configs/ddp.yaml or zero2.yaml instead."
         )
     check_mxfp4(run, source)
+
+
+def check_expert_targets(run, source: str) -> None:
+    model = run.model
     if model.lora_target_parameters and not families.family_of(model.model_name_or_path, model.model_revision).experts:
         raise UserError(
             f"{source}: `lora_target_parameters` adapts mixture-of-experts weights, which "
             f"{model.model_name_or_path} does not have; remove it or use lora_target_modules."
         )
+
+
+def check_memory_settings(run, source: str) -> None:
+    if not 0 < run.finetune.activation_memory_budget <= 1:
+        raise UserError(f"{source}: `activation_memory_budget: {run.finetune.activation_memory_budget}` is the "
+                        f"fraction of a compiled layer's activations it may keep; give a value above 0 and at most 1.")
+    if run.training.activation_offloading and cpu.on_cpu():  # a recipe's value is already off (cpu.cpu_overrides)
+        raise UserError("command line: `--activation_offloading true` moves activations out of GPU memory and this "
+                        "machine has no GPU; drop the flag here.")
+
+
+def check_number_ranges(run, source: str) -> None:
     numbers.check_numbers(lambda key: run_value(run, key), source)
-    check_attention(model, source)
+
+
+def check_attention_named(run, source: str) -> None:
+    check_attention(run.model, source)
+
+
+def check_packages(run, source: str) -> None:
     check_optimizer_installed(run.training, source)
     check_mlflow_installed(run.training, source)
     check_report_to(run.training, source)
     check_hub_push(run.training, source)
-    check_chat_template(run, source)
-    fp8.check(run, source)
+
+
+def check_launch(run, source: str) -> None:
     accelerate_checks.check_run(run)
     check_deepspeed_agrees(run)
+
+
+def check_relaunch(run, source: str) -> None:
     check_resume_checkpoint(run)
     check_output_dir(run)
 
@@ -266,3 +310,20 @@ def _deepspeed_value_is(value, wanted) -> bool:
 
 def _listed(parts: list[str]) -> str:
     return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
+
+
+# In the order a run meets them: the first problem found is the one a run reports.
+RUN_CHECKS = (
+    check_model_named,
+    check_peft_settings,
+    check_memory_settings,
+    check_quantization,
+    check_expert_targets,
+    check_number_ranges,
+    check_attention_named,
+    check_packages,
+    check_chat_template,
+    fp8.check,
+    check_launch,
+    check_relaunch,
+)

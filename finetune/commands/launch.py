@@ -142,6 +142,15 @@ def default_config_file() -> str:
 
 
 def accelerate_command(argv: list[str]) -> list[str]:
+    """`accelerate launch ...` for `finetune launch ARGV`: the launcher, then `launch_arguments(argv)`."""
+    accelerate = Path(sys.executable).with_name("accelerate")
+    command = [str(accelerate), "launch"] if accelerate.is_file() else [sys.executable, "-m",
+                                                                         "accelerate.commands.launch"]
+    return [*command, *launch_arguments(argv)]
+
+
+def launch_arguments(argv: list[str]) -> list[str]:
+    """The arguments `accelerate launch` gets for `finetune launch ARGV`, its config file checked (or planned)."""
     parser = argparse.ArgumentParser(prog="finetune launch", add_help=False, allow_abbrev=False)
     for flag in LAUNCHER_FLAGS:
         parser.add_argument(f"--{flag}")
@@ -160,9 +169,6 @@ def accelerate_command(argv: list[str]) -> list[str]:
     else:
         launcher.config_file, processes = planned_config(sft_args, int(launcher.num_machines or 1))
         launcher.num_processes = launcher.num_processes or (processes if launcher.config_file else None)
-    accelerate = Path(sys.executable).with_name("accelerate")
-    command = [str(accelerate), "launch"] if accelerate.is_file() else [sys.executable, "-m",
-                                                                         "accelerate.commands.launch"]
     arguments = ["--quiet"]  # a failed run ends with its own error, not the launcher's traceback repeating it
     for flag in LAUNCHER_FLAGS:
         if getattr(launcher, flag) is not None:
@@ -175,7 +181,7 @@ def accelerate_command(argv: list[str]) -> list[str]:
     request = accelerate_checks.request_from_command(arguments, default_config_file())
     if request is not None:  # else accelerate says what is wrong with the command itself
         accelerate_checks.check_request(request, int(request.value("num_processes") or 1))  # notes: in training
-    return [*command, *arguments]
+    return arguments
 
 
 def _values_accelerate_would_warn_about(processes: str | None, machines: int) -> list[str]:

@@ -1,0 +1,94 @@
+"""`finetune check --config RECIPE [--config_file F] [launcher flags] [scripts/sft.py flags]`: every check a run makes
+before it loads a model, without training, and every problem printed at once (as torchtune's `tune validate` does);
+exit 2 if there is any. The launch is read as `finetune launch` reads it, and what the training process would see of
+it (the variables accelerate exports) is made by accelerate's own launcher code; then the recipe is parsed and
+checked by the same functions a run calls (finetune/checks/recipe.py `problems`), and the model folder is read."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from unittest import mock
+
+from finetune.errors import UserError, report, say
+
+
+def add_check(subparsers) -> None:
+    p = subparsers.add_parser(
+        "check", add_help=False,
+        help="run every check that needs no model (recipe, launch files, model folder, output folder); all problems "
+             "at once",
+        description="finetune check [--config_file F] [--num_processes N] --config recipes/M/METHOD.yaml "
+                    "[scripts/sft.py flags]",
+    )
+    p.set_defaults(func=_run_check, accepts_extra=True)
+
+
+def _run_check(args: argparse.Namespace, extra: list[str]) -> int:
+    from finetune.commands.launch import SFT_SCRIPT, launch_arguments
+
+    arguments = launch_arguments(extra)  # the launch files' own refusals end here, as under finetune launch
+    script_at = arguments.index(str(SFT_SCRIPT))
+    launch_arguments, sft_arguments = arguments[:script_at + 1], arguments[script_at + 1:]
+    environment, processes = training_process_environment(launch_arguments)
+    with mock.patch.dict(os.environ, environment):
+        found = problems_before_loading(sft_arguments, processes)
+    for problem in found:
+        report(problem)
+    if found:
+        return 2
+    say("no problem found by the checks that need no model; the data and the model's own loading are checked when "
+        "the run starts.")
+    return 0
+
+
+def training_process_environment(launch_arguments: list[str]) -> tuple[dict[str, str], int]:
+    """The variables `accelerate launch LAUNCH_ARGUMENTS` would export to its training processes (with the launch
+    arguments themselves, as `finetune launch` hands them down), and how many processes it would start."""
+    from accelerate.commands.launch import launch_command_parser
+    from accelerate.utils import prepare_deepspeed_cmd_env, prepare_multi_gpu_env, prepare_simple_launcher_cmd_env
+
+    from finetune import patches
+    from finetune.config.launch_request import LAUNCH_ARGUMENTS
+
+    args, defaults = patches.validate_launch_command(launch_command_parser().parse_args(launch_arguments))
+    if args.use_deepspeed and not args.cpu:
+        args.deepspeed_fields_from_accelerate_config = ",".join(defaults.deepspeed_config) if defaults else ""
+        environment = prepare_deepspeed_cmd_env(args)[1]
+    elif (args.use_fsdp or args.multi_gpu) and not args.cpu:
+        environment = prepare_multi_gpu_env(args)
+    else:
+        environment = prepare_simple_launcher_cmd_env(args)[1]
+    return {**environment, LAUNCH_ARGUMENTS: json.dumps(launch_arguments)}, int(args.num_processes or 1)
+
+
+def problems_before_loading(sft_arguments: list[str], processes: int) -> list[UserError]:
+    """What a run of these arguments would refuse before loading: the parse (which stops at its first problem), then
+    every check of the recipe, the launch and the output folder, then the model folder and the layers it names. The
+    parse sees one process (it sets up the training arguments' device); the checks see the launch's count."""
+    from finetune.run import arguments
+
+    try:
+        run = arguments.parse_args(sft_arguments)
+    except UserError as problem:
+        return [problem]
+    with mock.patch.dict(os.environ, {"WORLD_SIZE": str(processes)}):
+        return _collected_problems(run)
+
+
+def _collected_problems(run) -> list[UserError]:
+    from finetune.checks import model_folder
+    from finetune.checks import recipe as recipe_checks
+
+    found = []
+    try:
+        found.extend(recipe_checks.problems(run))  # extended one by one: what was found stays if a check fails
+        model_path = model_folder.resolve_model_path(run)
+        model_folder.check_lora_targets(run, model_path)
+    except UserError as problem:
+        found.append(problem)
+    except Exception:  # a check that cannot run past an earlier problem: that problem is the answer
+        if not found:
+            raise
+    return found

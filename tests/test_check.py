@@ -1,0 +1,61 @@
+"""`finetune check`: every check a run makes before loading a model, all problems printed at once, without training."""
+
+import pytest
+
+from finetune import cli
+from tests.helpers import ROOT
+
+RECIPE = ROOT / "recipes" / "llama-3.2-1b" / "lora.yaml"
+
+
+def checked(capsys, *arguments):
+    code = cli.main(["check", *arguments])
+    printed = capsys.readouterr()
+    return code, [line for line in printed.err.splitlines() if line.startswith("error: ")], printed.out
+
+
+def test_a_recipe_with_three_problems_gets_all_three_in_one_check(tmp_path, capsys):
+    recipe = tmp_path / "three.yaml"
+    recipe.write_text(RECIPE.read_text() + "activation_memory_budget: 2\nlora_target_parameters: [mlp.experts.down_proj]\n"
+                      "weight_decay: -1\n")
+    code, errors, _ = checked(capsys, "--config", str(recipe), "--tiny", "--output_dir", str(tmp_path / "out"))
+    assert code == 2
+    assert len(errors) == 3, errors
+    assert "`activation_memory_budget: 2.0`" in errors[0]
+    assert "`lora_target_parameters` adapts mixture-of-experts weights" in errors[1]
+    assert "`weight_decay: -1" in errors[2]
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_run_stops_at_the_first_of_the_same_problems(tmp_path):
+    from finetune.errors import UserError
+    from finetune.sft import configure
+
+    recipe = tmp_path / "three.yaml"
+    recipe.write_text(RECIPE.read_text() + "activation_memory_budget: 2\nlora_target_parameters: [mlp.experts.down_proj]\n"
+                      "weight_decay: -1\n")
+    with pytest.raises(UserError, match="`activation_memory_budget: 2.0`"):
+        configure(["--config", str(recipe), "--tiny", "--output_dir", str(tmp_path / "out")])
+
+
+def test_a_recipe_without_problems_passes_and_says_what_is_left_to_the_run(tmp_path, capsys):
+    code, errors, out = checked(capsys, "--config", str(RECIPE), "--tiny", "--output_dir", str(tmp_path / "out"))
+    assert (code, errors) == (0, [])
+    assert "no problem found" in out
+
+
+def test_the_launch_file_is_checked_as_the_training_process_would_see_it(tmp_path, capsys):
+    """QLoRA with the FSDP file: refused by the recipe check that reads the strategy accelerate exports."""
+    recipe = ROOT / "recipes" / "llama-3.2-3b" / "qlora.yaml"
+    code, errors, _ = checked(capsys, "--config_file", str(ROOT / "accelerate_configs" / "fsdp.yaml"),
+                              "--config", str(recipe), "--tiny", "--output_dir", str(tmp_path / "out"))
+    assert code == 2
+    assert any("cannot be sharded by FSDP" in error and "fsdp.yaml" in error for error in errors), errors
+
+
+def test_a_broken_launch_file_is_one_problem(tmp_path, capsys):
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("distributed_type: [MULTI_GPU\n")
+    code, errors, _ = checked(capsys, "--config_file", str(broken), "--config", str(RECIPE), "--tiny")
+    assert code == 2
+    assert errors == [error for error in errors if "broken.yaml: not valid YAML" in error] and errors
