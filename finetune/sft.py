@@ -9,7 +9,7 @@ With no arguments it trains the tiny Llama on the bundled sample data (finetune/
 
 from __future__ import annotations
 
-from finetune import config, data, model
+from finetune import config, data, model, speed
 from finetune import trainer as training
 from finetune.config import RunConfig
 
@@ -24,6 +24,7 @@ def configure(argv: list[str] | None = None) -> RunConfig:
 
 def prepare(argv: list[str] | None = None):
     """Configure, then load: the run, its trainer ready to train, and the tokenizer."""
+    speed.mark("imports_done")
     run = configure(argv)
     model_path = model.resolve_model_path(run)
     tokenizer = model.load_tokenizer(model_path, run.training.assistant_only_loss)
@@ -31,7 +32,10 @@ def prepare(argv: list[str] | None = None):
     train_set, eval_set = data.load_datasets(run.script, run.training, None if run.finetune.truncation else tokenizer,
                                              run.finetune, record=run.data_sources, tokenizer=tokenizer)
     config.check_data_unchanged(run, train_set)
-    trainer = training.build_trainer(run, model.load_model(run, model_path), tokenizer, train_set, eval_set)
+    loaded = model.load_model(run, model_path)
+    speed.mark("model_loaded")  # on the GPU where it loads there (quantized, MXFP4), else on the CPU
+    trainer = training.build_trainer(run, loaded, tokenizer, train_set, eval_set)
+    speed.mark("model_on_device")  # the Trainer has tokenized the rows and moved the model to its device
     return run, trainer, tokenizer
 
 

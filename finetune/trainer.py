@@ -6,12 +6,13 @@ import json
 import os
 from pathlib import Path
 
+import torch
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel, TrainerCallback
 from trl import SFTTrainer
 
 from finetune import (attention, checkpoints, compilation, evaluation, expert_lora, fp8, inference,
-                      outcome, patches, resume, speed, tracking)
+                      out_of_memory, outcome, patches, resume, speed, tracking)
 from finetune import model as model_loading
 from finetune.config import RUN_RECORD, RunConfig, run_identity, training_length
 from finetune.config_files import accelerate_config_file, requested_strategy
@@ -195,6 +196,8 @@ def train_and_save(trainer: SFTTrainer, run: RunConfig, tokenizer) -> None:
             trainer.train(resume_from_checkpoint=resume_from)
         except resume.NothingLeftToTrain:
             say(f"{resume_from} is at max_steps: nothing left to train; writing the final model from it.")
+        except torch.OutOfMemoryError:
+            raise out_of_memory.as_user_error(run, trainer.state.global_step + 1) from None
     checkpoints.exit_if_preempted(trainer)  # SIGTERM: the checkpoint is saved; exit 143 without the final save
     checkpoints.save_final_completely(trainer, output_dir)
     with checkpoints.writes_reported(output_dir):
