@@ -50,12 +50,12 @@ CASES = {  # name: recipe, model folder, extra flags
 ARCHITECTURES = {"llama3b": "meta-llama/Llama-3.2-3B-Instruct", "llama1b": "meta-llama/Llama-3.2-1B-Instruct"}
 
 
-def write_chat_rows(folder: Path) -> None:
-    """1,500 train and 64 test chat rows of log-normal length (mean ~870 tokens with the tiny tokenizers, max
+def write_chat_rows(folder: Path, train_rows: int = 1500) -> None:
+    """TRAIN_ROWS train and 64 test chat rows of log-normal length (mean ~870 tokens with the tiny tokenizers, max
     2,048), as ../shared/gpu/user_path/chat_data.py writes them."""
     rng = random.Random(0)
     folder.mkdir(parents=True, exist_ok=True)
-    for split, count in (("train", 1500), ("test", 64)):
+    for split, count in (("train", train_rows), ("test", 64)):
         with open(folder / f"{split}.jsonl", "w") as out:
             for _ in range(count):
                 words = int(min(max(rng.lognormvariate(5.7, 0.9), 40), 2800))
