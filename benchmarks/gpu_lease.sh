@@ -10,4 +10,4 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 # Unsloth pins trl <= 1.15: its wheels go to a folder of their own, first on its path only (user_path.py sets it)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site2 .uw/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 HF_HUB_OFFLINE=1
-python3 benchmarks/user_path.py --all --part "$part" --work runs/up --out "${OUT:-runs/up/results}/up" --budget 540
+python3 benchmarks/user_path.py --all --part "$part" --work runs/up --out "${OUT:-runs/up/results}/up" --budget 520

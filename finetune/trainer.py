@@ -166,6 +166,10 @@ def build_trainer(run: RunConfig, model: PreTrainedModel, tokenizer, train_set, 
               f"embeddings and norms in {str(model.dtype).removeprefix('torch.')}")
     trainer.add_callback(resume.ResumedRun(run.finetune.resume_with_new_schedule, run.training.learning_rate))
     trainer.add_callback(speed.SpeedRecord(run.training.output_dir, trainer.accelerator.is_main_process))
+    if compiled:
+        trainer.add_callback(compilation.CompileNotice(model, "LoRA" if run.model.use_peft else "full",
+                                                       run.training.gradient_checkpointing,
+                                                       trainer.accelerator.is_main_process))
     setup_check = SetupCheck(trainer, accelerate_config_file())
     trainer.add_callback(setup_check)
     if tracking.wanted(run.training):
