@@ -12,7 +12,7 @@ from __future__ import annotations
 from finetune.checks import model_folder, relaunch
 from finetune.checks import recipe as recipe_checks
 from finetune.data import load as data
-from finetune.run import arguments, model
+from finetune.run import arguments, model, speed
 from finetune.run import trainer as training
 from finetune.run.arguments import RunConfig
 
@@ -27,6 +27,7 @@ def configure(argv: list[str] | None = None) -> RunConfig:
 
 def prepare(argv: list[str] | None = None):
     """Configure, then load: the run, its trainer ready to train, and the tokenizer."""
+    speed.mark("imports_done")
     run = configure(argv)
     model_path = model_folder.resolve_model_path(run)
     tokenizer = model.load_tokenizer(model_path, run.training.assistant_only_loss)
@@ -34,7 +35,10 @@ def prepare(argv: list[str] | None = None):
     train_set, eval_set = data.load_datasets(run.script, run.training, None if run.finetune.truncation else tokenizer,
                                              run.finetune, record=run.data_sources, tokenizer=tokenizer)
     relaunch.check_data_unchanged(run, train_set)
-    trainer = training.build_trainer(run, model.load_model(run, model_path), tokenizer, train_set, eval_set)
+    loaded = model.load_model(run, model_path)
+    speed.mark("model_loaded")  # on the GPU where it loads there (quantized, MXFP4), else on the CPU
+    trainer = training.build_trainer(run, loaded, tokenizer, train_set, eval_set)
+    speed.mark("model_on_device")  # the Trainer has tokenized the rows and moved the model to its device
     return run, trainer, tokenizer
 
 

@@ -121,8 +121,8 @@ def test_a_launch_that_fails_raises_the_one_sentence_and_nothing_else(store, cap
 def test_mlflow_asked_for_but_not_installed_is_one_sentence_before_loading(monkeypatch):
     from trl import SFTConfig
 
-    from finetune.errors import UserError
     from finetune.checks import recipe as recipe_checks
+    from finetune.errors import UserError
 
     monkeypatch.setattr(recipe_checks.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(UserError, match=r'recipe.yaml: `report_to: mlflow` needs the mlflow package.*\[mlflow\]'):

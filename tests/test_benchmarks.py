@@ -3,8 +3,10 @@ GPU runs."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+from functools import partial
 
 import pytest
 
@@ -71,3 +73,46 @@ def test_measure_memory_tiny_case_runs_on_cpu(tmp_path):
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     rows = json.loads((tmp_path / "planner_validation.json").read_text())
     assert rows[0]["case"] == "llama-3.2-1b-full-s1024-b8" and "error" not in rows[0]
+
+
+def tiny_user_path_work(work):
+    """benchmarks/user_path.py's work folder with the tiny Llama in place of the 1B model, and its chat rows."""
+    from benchmarks import user_path
+    from finetune.models import tiny
+
+    user_path.write_chat_rows(work / "data", train_rows=16)  # two steps of two packed rows of 128 tokens
+    shutil.copytree(tiny.tiny_model_folder("llama"), work / "llama1b")
+    return user_path
+
+
+@pytest.mark.launches
+def test_user_path_times_a_fresh_launch_and_refuses_a_resumed_one(tmp_path):
+    """One cheap CPU launch, into the case's output folder that a previous run left a checkpoint in: the benchmark
+    empties it, so the run starts at step 0 and gives a row whose moments follow each other from the launch on. The
+    same run's record, rewritten as a relaunch that resumed from checkpoint-1 would have left it, gives no row."""
+    user_path = tiny_user_path_work(tmp_path)
+    (tmp_path / "out" / "llama1b_full" / "checkpoint-5").mkdir(parents=True)
+    row = user_path.run_case("llama1b_full", tmp_path, tmp_path, steps=2, timeout=240, accelerate_config="",
+                             flags=("--max_length", "128", "--per_device_train_batch_size", "2",
+                                    "--gradient_accumulation_steps", "1"))
+    assert row["status"] == "ok", row
+    moments = [row[f"seconds_launch_to_{moment}"] for moment in (*user_path.MOMENTS, "first_step", "last_step")]
+    assert 0 < moments[0] and moments == sorted(moments), row
+    assert row["steps"] == 2 and row["real_tokens"] > 0 and row["real_tokens_per_s_from_launch"] > 0
+    assert row["compiled_graphs"] == 0 and row["compile_caches"] == "empty"
+
+    output_dir = tmp_path / "out" / "llama1b_full"
+    record_path = output_dir / "finetune_speed.json"
+    record = json.loads(record_path.read_text())
+    judge = partial(user_path.judge, "llama1b_full", 0, 240, record["process_start"] - 1, output_dir,
+                    log_path=tmp_path / "llama1b_full.log")
+    record_path.write_text(json.dumps({**record, "started_at_step": 1}))
+    resumed = judge(steps=1)
+    assert resumed["status"] == "resumed" and "started at step 1" in resumed["reason"], resumed
+    assert set(resumed) == {"case", "status", "reason"}, "a refused run must carry no figures"
+    record_path.write_text(json.dumps(record))
+    assert judge(steps=3) == {"case": "llama1b_full", "status": "cut short",
+                              "reason": "the run trained 2 of the 3 steps asked"}
+    assert judge(steps=2)["status"] == "ok"
+    failed = partial(user_path.judge, "llama1b_full", None, 240, 0.0, output_dir, 2, tmp_path / "llama1b_full.log")()
+    assert failed["status"] == "cut short" and "still running after its 240 s" in failed["reason"]

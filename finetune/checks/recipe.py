@@ -3,9 +3,9 @@ files against the recipe, the output folder against the run it would continue. `
 raises the first problem as one sentence naming the file, the field and the fix."""
 
 import difflib
-from collections.abc import Iterator
 import importlib.util
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 from finetune import families

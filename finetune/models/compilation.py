@@ -17,12 +17,16 @@ frame it silently runs eagerly. On chat rows of varied length three things made 
   symbolic (finetune/attention.py takes it as it is, without reading it back from the GPU).
 """
 
+import json
 import os
+import time
+from pathlib import Path
 
 import torch
 from transformers import TrainerCallback
 
 from finetune import patches
+from finetune.errors import say
 
 DYNAMO_BACKEND_ENV = "ACCELERATE_DYNAMO_BACKEND"
 
@@ -31,6 +35,10 @@ REGIONAL_COMPILATION_ENV = "ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION"
 
 
 DYNAMIC_SHAPES_ENV = "ACCELERATE_DYNAMO_USE_DYNAMIC"
+# torch keeps its compile caches under /tmp, which a reboot or a new container empties: kept here, a relaunch reuses
+# the graphs, autotuning results and Triton kernels instead of compiling them again
+COMPILE_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "finetune" / "compile"
+FIRST_STEPS = "first_steps.json"  # seconds from training's start to the first step, per model, method and GPU
 
 
 def prepare_process(training) -> None:
@@ -39,7 +47,10 @@ def prepare_process(training) -> None:
     (backend NO, regional compilation False), which would make `torch_compile: true` compile the whole model, TRL's
     fused loss and its Triton launches included, once per row length (Llama-3.2-3B LoRA on an H200: no step in 170
     s); so they are replaced unless the accelerate config file asked for a dynamo backend of its own, whose
-    dynamo_config then decides."""
+    dynamo_config then decides. Compiled, torch's caches go to a folder that outlives /tmp (COMPILE_CACHE)."""
+    if training.torch_compile:  # a folder the user chose wins
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(COMPILE_CACHE / "inductor"))
+        os.environ.setdefault("TRITON_CACHE_DIR", str(COMPILE_CACHE / "triton"))
     if training.torch_compile and not training.gradient_checkpointing:
         if os.environ.get(DYNAMO_BACKEND_ENV, "NO").upper() == "NO":
             os.environ[REGIONAL_COMPILATION_ENV] = "true"
@@ -82,3 +93,44 @@ def one_graph_for_every_layer(model, compiled: bool) -> None:
     embeddings = model.get_input_embeddings()
     if compiled and not embeddings.weight.requires_grad and not getattr(model, "_require_grads_hook", None):
         model.enable_input_require_grads()
+
+
+class CompileNotice(TrainerCallback):
+    """Before the first step of a compiled run, one line that says the decoder layer compiles, and for how long the
+    previous launch of this model, method and GPU took, instead of a progress bar that stands still; after it, that
+    launch's time is kept for the next one (COMPILE_CACHE/first_steps.json)."""
+
+    def __init__(self, model, method: str, checkpointing: bool, is_main_process: bool):
+        device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+        self.key = (f"{model.config.model_type} {model.config.hidden_size}x{model.config.num_hidden_layers} "
+                    f"{method}{' checkpointed' if checkpointing else ''} on {device}")
+        self.path = COMPILE_CACHE / FIRST_STEPS
+        self.is_main_process = is_main_process
+        self.began = None
+
+    def _previous(self) -> dict:
+        try:
+            return json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.began = time.time()
+        seconds = self._previous().get(self.key)
+        if seconds is None:
+            say(f"compiling the decoder layer once before the first step: a minute or more the first time; later "
+                f"launches reuse it from {os.environ.get('TORCHINDUCTOR_CACHE_DIR', COMPILE_CACHE)}")
+        else:
+            say(f"compiling the decoder layer once before the first step: about {seconds:.0f} s (the previous launch "
+                f"of {self.key})")
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.began is None or not self.is_main_process:
+            return
+        figures = {**self._previous(), self.key: round(time.time() - self.began, 1)}
+        self.began = None
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text(json.dumps(figures, indent=1) + "\n")
+        except OSError:
+            pass  # a read-only home: the next launch says no figure, nothing else changes

@@ -315,10 +315,11 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
 
 
 def apply_to_process(run: RunConfig) -> None:
-    """The one step that changes the process for a run: the recipe's `env:` block, regional compilation and inductor's
-    activation budget, the MLflow run to continue, the CPU process group (FSDP over gloo), and the access token moved
-    out of the arguments the Trainer saves."""
+    """The one step that changes the process for a run: the recipe's `env:` block, DeepSpeed kept out where unused,
+    regional compilation and inductor's activation budget, the MLflow run to continue, the CPU process group (FSDP over
+    gloo), and the access token moved out of the arguments the Trainer saves."""
     os.environ.update(run.env)
+    patches.skip_unused_deepspeed(run.training)
     saving.die_with_launcher()
     compilation.prepare_process(run.training)
     if run.training.torch_compile and not run.training.gradient_checkpointing:

@@ -20,6 +20,13 @@ SPEED_RECORD = "finetune_speed.json"
 
 
 WARMUP_STEPS = 5  # steady state: from the first logged step after these to the last
+# Wall-clock moments (time.time()) of the run's start-up, written into the record: a benchmark subtracts its own launch
+# time from them. finetune/sft.py marks them; on_train_begin and the steps add the rest.
+MOMENTS: dict[str, float] = {}
+
+
+def mark(moment: str) -> None:
+    MOMENTS[moment] = time.time()
 
 
 def process_start_time() -> float:
@@ -45,10 +52,14 @@ class SpeedRecord(TrainerCallback):
         self.is_main_process = is_main_process
         self.started = process_start_time()
         self.train_begin = None
+        self.started_at_step = None
+        self.max_steps = None
         self.steps: list[dict] = []
 
     def on_train_begin(self, args, state, control, **kwargs):
+        """The Trainer has loaded a resumed checkpoint's state by now: its step is where this launch starts."""
         self.train_begin = time.time()
+        self.started_at_step, self.max_steps = state.global_step, state.max_steps
 
     def on_step_end(self, args, state, control, **kwargs):
         """The first step, the steps that log (the Trainer's flow callback has decided that by now) and the last:
@@ -77,7 +88,10 @@ class SpeedRecord(TrainerCallback):
         steady = [entry for entry in counted if entry["step"] >= first["step"] + WARMUP_STEPS]
         record = {
             "process_start": self.started,
+            **MOMENTS,
             "train_begin": self.train_begin,
+            "started_at_step": self.started_at_step,
+            "max_steps": self.max_steps,
             "seconds_to_first_step": round(first["time"] - self.started, 2),
             "seconds_to_last_step": round(last["time"] - self.started, 2),
             "steps": last["step"] - first["step"] + 1,

@@ -6,6 +6,7 @@ import json
 import os
 from pathlib import Path
 
+import torch
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel, TrainerCallback
 from trl import SFTTrainer
@@ -16,7 +17,7 @@ from finetune.checks.relaunch import run_identity, training_length
 from finetune.config.launch_request import accelerate_config_file, requested_strategy
 from finetune.errors import UserError, say
 from finetune.models import attention, compilation, expert_lora, fp8
-from finetune.run import evaluation, saving, speed, tracking
+from finetune.run import evaluation, out_of_memory, saving, speed, tracking
 from finetune.run import generation as inference
 from finetune.run import model as model_loading
 from finetune.run.arguments import RunConfig
@@ -172,6 +173,10 @@ def build_trainer(run: RunConfig, model: PreTrainedModel, tokenizer, train_set, 
               f"embeddings and norms in {str(model.dtype).removeprefix('torch.')}")
     trainer.add_callback(resume.ResumedRun(run.finetune.resume_with_new_schedule, run.training.learning_rate))
     trainer.add_callback(speed.SpeedRecord(run.training.output_dir, trainer.accelerator.is_main_process))
+    if compiled:
+        trainer.add_callback(compilation.CompileNotice(model, "LoRA" if run.model.use_peft else "full",
+                                                       run.training.gradient_checkpointing,
+                                                       trainer.accelerator.is_main_process))
     setup_check = SetupCheck(trainer, accelerate_config_file())
     trainer.add_callback(setup_check)
     if tracking.wanted(run.training):
@@ -202,6 +207,8 @@ def train_and_save(trainer: SFTTrainer, run: RunConfig, tokenizer) -> None:
             trainer.train(resume_from_checkpoint=resume_from)
         except resume.NothingLeftToTrain:
             say(f"{resume_from} is at max_steps: nothing left to train; writing the final model from it.")
+        except torch.OutOfMemoryError:
+            raise out_of_memory.as_user_error(run, trainer.state.global_step + 1) from None
     saving.exit_if_preempted(trainer)  # SIGTERM: the checkpoint is saved; exit 143 without the final save
     saving.save_final_completely(trainer, output_dir)
     with saving.writes_reported(output_dir):

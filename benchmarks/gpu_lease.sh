@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# One device call of `benchmarks/user_path.py --all`: PART is 1 (the Llama recipes, a second launch, SIGTERM, Unsloth's
+# Llama) or 2 (GPT-OSS-20B with and without checkpointing, Unsloth's GPT-OSS); each fits one call under 10 minutes.
+# Run from the project's root with `carry` [".whl", ".uw", ".peers"] (../shared/gpu/README.md: the project's wheels in
+# .whl, Unsloth's in .uw, unsloth_peer.py in .peers). The results and logs go to $OUT/up.
+#   bash benchmarks/gpu_lease.sh 1
+set -euo pipefail
+part=${1:?usage: gpu_lease.sh 1|2}
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+# Unsloth pins trl <= 1.15: its wheels go to a folder of their own, first on its path only (user_path.py sets it)
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site2 .uw/*.whl
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 HF_HUB_OFFLINE=1
+python3 benchmarks/user_path.py --all --part "$part" --work runs/up --out "${OUT:-runs/up/results}/up" --budget 520

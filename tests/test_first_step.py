@@ -1,0 +1,52 @@
+"""Time to the first step, the parts a CPU can show: DeepSpeed kept out of a run that does not use it, torch's
+compile caches in a folder that outlives /tmp, and the line that says the decoder layer compiles, and for how long."""
+
+import importlib.util
+import os
+import sys
+from types import SimpleNamespace
+
+from transformers import TrainerControl, TrainerState
+
+
+def test_a_run_without_deepspeed_does_not_import_it_and_one_with_it_gets_it_back(monkeypatch):
+    from accelerate.utils import is_deepspeed_available
+
+    from finetune.patches import skip_unused_deepspeed as skip_deepspeed
+
+    monkeypatch.delitem(sys.modules, "deepspeed", raising=False)
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED", raising=False)
+    skip_deepspeed(SimpleNamespace(deepspeed=None))
+    assert importlib.util.find_spec("deepspeed") is None and not is_deepspeed_available()
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    skip_deepspeed(SimpleNamespace(deepspeed=None))
+    assert sys.modules.get("deepspeed", "absent") is not None
+
+
+def test_compiled_runs_keep_torch_caches_outside_tmp_unless_the_user_chose(monkeypatch, tmp_path):
+    from finetune.models import compilation
+
+    training = SimpleNamespace(torch_compile=True, gradient_checkpointing=True)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "")  # restored afterwards to what it was, unset included
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    compilation.prepare_process(training)
+    assert compilation.COMPILE_CACHE.parts[-2:] == ("finetune", "compile")
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(compilation.COMPILE_CACHE / "inductor")
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path)
+
+
+def test_the_compile_line_says_the_previous_launch_s_time(monkeypatch, tmp_path, capsys):
+    from finetune.models import compilation
+
+    monkeypatch.setattr(compilation, "COMPILE_CACHE", tmp_path)
+    model = SimpleNamespace(config=SimpleNamespace(model_type="llama", hidden_size=3072, num_hidden_layers=28))
+    args, state, control = None, TrainerState(), TrainerControl()
+    first = compilation.CompileNotice(model, "LoRA", False, is_main_process=True)
+    first.on_train_begin(args, state, control)
+    assert "compiling the decoder layer once before the first step: a minute or more" in capsys.readouterr().out
+    first.began -= 51  # the first step came 51 s after training began
+    first.on_step_end(args, state, control)
+    compilation.CompileNotice(model, "LoRA", False, is_main_process=True).on_train_begin(args, state, control)
+    assert ("compiling the decoder layer once before the first step: about 51 s (the previous launch of llama "
+            "3072x28 LoRA on cpu)") in capsys.readouterr().out
