@@ -1,34 +1,28 @@
-"""GPT-OSS experts resident in MXFP4 (finetune/mxfp4_experts.py) on the GPU, at the real architecture's shapes, random
-weights (no network, under 3 minutes on an H100/H200):
+"""GPT-OSS experts resident in MXFP4 (finetune/mxfp4_experts.py) on one GPU, real shapes, random weights, no network,
+under 3 minutes (a CPU with TRITON_INTERPRET=1 and --architecture TINY_MODEL_FOLDER runs the code, not the check):
 
     python benchmarks/mxfp4_resident_check.py [--architecture gpt-oss-20b|gpt-oss-120b] [--tokens 8192]
 
-1. the Triton dequantizer bit-equal to the torch reference on one layer's real blocks and scales, and on every scale
-   byte (0..254, subnormal products included), in bf16 and float32;
-2. its time per layer (gate_up + down) and the bandwidth that is (bytes read + written);
-3. one decoder layer's experts with LoRA on both expert weights, forward + backward over --tokens routed tokens
-   (top-k of random router logits): dense bf16 weights against resident MXFP4: time, peak memory above the weights,
-   the max abs difference of the output and of the input, routing and LoRA gradients (0: both run the same GEMMs on
-   the same bf16 weights);
-4. a 2-layer checkpoint of the architecture written as the hub ships it, loaded with the experts resident
-   (finetune/mxfp4_loading.py): seconds and the peak GPU memory against the expected resident bytes.
-
-Prints one JSON line; writes it to $OUT/mxfp4_resident_check.json when OUT is set.
+The Triton dequantizer bit-equal to the reference (a layer's blocks; every scale byte), its time per layer; one layer's
+experts with LoRA, forward + backward, dense bf16 against resident (time, peak memory, max abs differences: 0 expected);
+a 2-layer checkpoint loaded resident (seconds, peak memory). One JSON line, also in $OUT/mxfp4_resident_check.json.
 """
 
 import argparse
 import json
 import os
-import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+import transformers
+import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/ is beside finetune/, not installed
 
+from benchmarks import mxfp4_checkpoints  # noqa: E402
 from finetune import expert_lora, mxfp4_experts, mxfp4_loading, mxfp4_triton  # noqa: E402
 from finetune.families import load_architecture  # noqa: E402
 
@@ -39,29 +33,28 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 ON_GPU = DEVICE.type == "cuda"
 
 
-def synchronize():
-    if ON_GPU:
-        torch.cuda.synchronize()
+synchronize = torch.cuda.synchronize if ON_GPU else (lambda: None)
 
 
 def reset_peak() -> int:
     synchronize()
-    if not ON_GPU:
-        return 0
-    torch.cuda.reset_peak_memory_stats()
-    return torch.cuda.memory_allocated()
+    if ON_GPU:
+        torch.cuda.reset_peak_memory_stats()
+    return torch.cuda.memory_allocated() if ON_GPU else 0
 
 
 def peak_since(base: int) -> float:
     return (torch.cuda.max_memory_allocated() - base) / GIB if ON_GPU else 0.0
 
 
+def stored_bytes(module) -> int:
+    return sum(t.numel() * t.element_size() for t in module.state_dict().values() if not mxfp4_experts.is_placeholder(t))
+
+
 def random_packed(experts, outputs, inputs, generator, scales=(118, 122)):
-    groups = inputs // mxfp4_experts.BLOCK
-    blocks = torch.randint(0, 256, (experts, outputs, groups, 16), dtype=torch.uint8, device=DEVICE,
-                           generator=generator)
-    return blocks, torch.randint(*scales, (experts, outputs, groups), dtype=torch.uint8, device=DEVICE,
-                                 generator=generator)
+    shape = (experts, outputs, inputs // mxfp4_experts.BLOCK)
+    return (torch.randint(0, 256, (*shape, 16), dtype=torch.uint8, device=DEVICE, generator=generator),
+            torch.randint(*scales, shape, dtype=torch.uint8, device=DEVICE, generator=generator))
 
 
 def bit_equal(blocks, scales, dtype, chunk=8):
@@ -85,7 +78,7 @@ def timed(function, repeats=5):
     return (time.perf_counter() - start) * 1000 / repeats
 
 
-def experts_pair(config, packed, generator):
+def experts_pair(config, packed):
     """The real GptOssExperts twice, the same weights: dense bf16, and resident in MXFP4."""
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 
@@ -96,9 +89,8 @@ def experts_pair(config, packed, generator):
         getattr(resident, f"{name}_blocks").copy_(blocks)
         getattr(resident, f"{name}_scales").copy_(scales)
         setattr(dense, name, frozen(mxfp4_triton.dequantize(blocks, scales, torch.bfloat16)))
-        bias = frozen(torch.randn(blocks.shape[:2], device=DEVICE, generator=generator) * 0.02)
-        setattr(dense, f"{name}_bias", bias)
-        setattr(resident, f"{name}_bias", bias)
+        for module in (dense, resident):
+            setattr(module, f"{name}_bias", frozen(torch.full(blocks.shape[:2], 0.02, device=DEVICE)))
     return dense, resident
 
 
@@ -109,11 +101,8 @@ def frozen(tensor):
 def forward_backward(experts, hidden, indices, weights, adapters):
     """Output and the gradients of the input, the routing weights and every LoRA factor."""
     leaves = [hidden, weights, *(factor for lora_in, lora_out, _ in adapters.values() for factor in (lora_in, lora_out))]
-    for leaf in leaves:
-        leaf.grad = None
     output = expert_lora.experts_forward(experts, hidden, indices, weights, adapters)
-    output.float().square().mean().backward()
-    return [output.detach()] + [leaf.grad for leaf in leaves]
+    return [output.detach(), *torch.autograd.grad(output.float().square().mean(), leaves)]
 
 
 def layer_check(config, tokens, generator):
@@ -125,22 +114,19 @@ def layer_check(config, tokens, generator):
                                    for dtype in (torch.bfloat16, torch.float32)},
               "kernel_bit_equal_every_scale": {str(dtype): bit_equal(*every_scale, dtype)
                                                for dtype in (torch.bfloat16, torch.float32)}}
-    del every_scale
     milliseconds = timed(lambda: [mxfp4_triton.dequantize(*pair, torch.bfloat16) for pair in packed.values()])
     moved = sum(blocks.numel() + scales.numel() + 2 * 2 * blocks.numel() for blocks, scales in packed.values())
     result["dequantize_layer_ms"] = round(milliseconds, 3)
     result["dequantize_GBps"] = round(moved / milliseconds / 1e6, 1)
 
-    dense, resident = experts_pair(config, packed, generator)
+    dense, resident = experts_pair(config, packed)
     hidden_states = torch.randn(tokens, hidden, device=DEVICE, dtype=torch.bfloat16, generator=generator)
     logits = torch.randn(tokens, experts, device=DEVICE, generator=generator)
     top, indices = logits.topk(config.num_experts_per_tok, dim=-1)
     routing = torch.softmax(top, dim=-1).to(torch.bfloat16)
-    adapters = {name: (torch.randn(experts, inputs, RANK, device=DEVICE, generator=generator) * 0.01,
-                       torch.randn(experts, RANK, outputs, device=DEVICE, generator=generator) * 0.01, 2.0)
-                for name, (inputs, outputs) in shapes.items()}
-    adapters = {name: (lora_in.to(torch.bfloat16).requires_grad_(), lora_out.to(torch.bfloat16).requires_grad_(), s)
-                for name, (lora_in, lora_out, s) in adapters.items()}
+    adapters = {name: tuple((torch.randn(experts, *shape, device=DEVICE, generator=generator) * 0.01)
+                            .to(torch.bfloat16).requires_grad_() for shape in ((inputs, RANK), (RANK, outputs)))
+                + (2.0,) for name, (inputs, outputs) in shapes.items()}
     runs = {}
     for label, module in (("dense", dense), ("resident", resident)):
         inputs = (hidden_states.clone().requires_grad_(), indices, routing.clone().requires_grad_())
@@ -148,13 +134,9 @@ def layer_check(config, tokens, generator):
         runs[label] = forward_backward(module, *inputs, adapters)
         peak = peak_since(base)
         milliseconds = timed(lambda module=module, inputs=inputs: forward_backward(module, *inputs, adapters))
-        weights = sum(t.numel() * t.element_size() for t in module.buffers()) + sum(
-            t.numel() * t.element_size() for name, t in module.named_parameters() if name.endswith("bias")
-        ) + (0 if label == "resident" else sum(getattr(module, name).numel() * 2 for name in shapes))
         result[label] = {"fwd_bwd_ms": round(milliseconds, 2), "peak_above_weights_GiB": round(peak, 3),
-                         "weights_GiB": round(weights / GIB, 3)}
-    names = ["output", "grad_hidden", "grad_routing"] + [f"grad_{name}_{factor}" for name in shapes
-                                                         for factor in ("lora_in", "lora_out")]
+                         "weights_GiB": round(stored_bytes(module) / GIB, 3)}
+    names = ["output", "grad_hidden", "grad_routing", *(f"grad_{name}_{f}" for name in shapes for f in ("L", "R"))]
     result["max_abs_diff"] = {name: (a.float() - b.float()).abs().max().item()
                               for name, a, b in zip(names, runs["dense"], runs["resident"], strict=True)}
     result["resident_over_dense_time"] = round(result["resident"]["fwd_bwd_ms"] / result["dense"]["fwd_bwd_ms"], 3)
@@ -162,16 +144,12 @@ def layer_check(config, tokens, generator):
 
 
 def load_check(config, folder: Path, generator):
-    """Two layers written as the hub ships them, loaded resident: seconds, and peak GPU memory over the stored bytes
-    (anything near the experts' bf16 size would mean a dense copy was made)."""
-    from transformers import AutoModelForCausalLM
-
-    from benchmarks import mxfp4_checkpoints
-
+    """Two layers written as the hub ships them, loaded resident: seconds, peak GPU memory (near the experts' bf16 size
+    would mean a dense copy was made)."""
     config = config.__class__.from_dict({**config.to_dict(), "num_hidden_layers": 2,
                                          "layer_types": config.layer_types[:2]})
     with torch.device("meta"):
-        shapes = {name: t.shape for name, t in AutoModelForCausalLM.from_config(config).state_dict().items()}
+        shapes = {name: t.shape for name, t in transformers.AutoModelForCausalLM.from_config(config).state_dict().items()}
 
     def tensors():
         for name, shape in shapes.items():
@@ -190,36 +168,25 @@ def load_check(config, folder: Path, generator):
     model = mxfp4_loading.load(str(folder), DEVICE, "bfloat16")
     synchronize()
     seconds = time.perf_counter() - start
-    resident = sum(t.numel() * t.element_size() for t in model.state_dict().values()
-                   if not mxfp4_experts.is_placeholder(t))
     return {"load_2_layers_s": round(seconds, 2), "stored_GiB": round(stored / GIB, 3),
-            "resident_GiB": round(resident / GIB, 3),
-            "load_peak_GiB": round(peak_since(base), 3)}
+            "resident_GiB": round(stored_bytes(model) / GIB, 3), "load_peak_GiB": round(peak_since(base), 3)}
 
 
 def main():
-    import transformers
-    import triton
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--architecture", default="gpt-oss-20b")
     parser.add_argument("--tokens", type=int, default=8192, help="routed tokens: batch 4 x 2048 by default")
     args = parser.parse_args()
-    if Path(args.architecture).is_dir():
-        config = transformers.AutoConfig.from_pretrained(args.architecture)
-    else:
-        config = load_architecture(args.architecture)
+    config = transformers.AutoConfig.from_pretrained(args.architecture) if Path(args.architecture).is_dir() \
+        else load_architecture(args.architecture)
     generator = torch.Generator(device=DEVICE).manual_seed(0)
     device = torch.cuda.get_device_name() if ON_GPU else "cpu"
     result = {"architecture": args.architecture, "device": device, "torch": torch.__version__,
               "transformers": transformers.__version__, "triton": triton.__version__, "tokens": args.tokens}
     start = time.perf_counter()
     result.update(layer_check(config, args.tokens, generator))
-    folder = Path(tempfile.mkdtemp(prefix="mxfp4-resident-"))
-    try:
-        result.update(load_check(config, folder, generator))
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix="mxfp4-resident-") as folder:
+        result.update(load_check(config, Path(folder), generator))
     result["seconds"] = round(time.perf_counter() - start, 1)
     line = json.dumps(result)
     print(line)
