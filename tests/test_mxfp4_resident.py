@@ -198,3 +198,15 @@ def test_resident_experts_trace_whole_under_torch_compile(mxfp4_folder):
         lora_a.grad = None
     assert all(torch.allclose(actual, expected, rtol=1e-5, atol=1e-6)
                for actual, expected in zip(results[1], results[0], strict=True))
+
+
+def test_resident_experts_in_more_than_one_process_are_refused_before_loading(mxfp4_folder, tmp_path, monkeypatch):
+    from finetune import config
+    from finetune.errors import UserError
+
+    run = config.parse_args(["--config", "recipes/gpt-oss-20b/lora.yaml", "--model_name_or_path", str(mxfp4_folder),
+                             "--output_dir", str(tmp_path / "out"), "--dequantize_mxfp4", "false"])
+    monkeypatch.setattr(config, "requested_strategy", lambda: "ddp")  # what a 2-process DDP launch's variables say
+    with pytest.raises(UserError, match="keeps the experts resident in MXFP4 in one process only, and this launch "
+                                        "runs ddp"):
+        config.check(run)
