@@ -101,6 +101,16 @@ says what to revisit and which test fails first.
   targets: torch 2.11 (H200, bf16) and 2.13 (CPU).
   guarded by: test_expert_lora.py::test_the_grouped_experts_trace_whole_under_torch_compile[bfloat16 grouped_mm] and
   ::test_grouped_expert_lora_gives_peft_outputs_and_gradients.
+- `mxfp4_experts.make_resident`, `mxfp4_loading.load` (finetune/mxfp4_experts.py, finetune/mxfp4_loading.py)
+  does: swaps the class of each GPT-OSS experts module for a subclass whose forward is expert_lora's grouped path,
+  replaces its `gate_up_proj`/`down_proj` with one-element zero-stride placeholders beside uint8 blocks and scales
+  buffers, and fills a model built on the meta device (accelerate's `init_empty_weights`) from the safetensors shards,
+  writing rotary buffers back through the module's private `_buffers`.
+  why: transformers keeps MXFP4 experts packed only through the hub's `kernels` (and else silently dequantizes);
+  peft's `target_parameters` needs parameters of the dense shape to build its adapters.
+  targets: transformers 5.17 and 5.25 (`GptOssExperts`, `from_config`), peft 0.21 (`ParamWrapper` reads only the
+  shape, dtype and device of the placeholder).
+  guarded by: tests/test_mxfp4_resident.py.
 - `model._require_grads_hook` (finetune/compilation.py, `one_graph_for_every_layer`)
   does: reads transformers' private handle of the hook `enable_input_require_grads` registers, to register it once.
   why: transformers has no public way to ask whether input gradients are already enabled.

@@ -162,7 +162,8 @@ def test_thinking_in_a_llama_recipes_data_is_refused_before_loading(tmp_path, ca
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--dequantize_mxfp4", "false"], "`dequantize_mxfp4: false` keeps openai/gpt-oss-20b's experts in 4-bit MXFP4"),
+    (["--dequantize_mxfp4", "false", "--expert_lora_kernel", "peft"],
+     "`expert_lora_kernel: peft` adds B·A to the expert weights, which `dequantize_mxfp4: false` keeps packed"),
     (["--load_in_4bit", "true"], "`load_in_4bit: true` asks bitsandbytes to quantize openai/gpt-oss-20b"),
 ])
 def test_mxfp4_checkpoint_that_would_not_train_is_refused_before_loading(tmp_path, capfd, monkeypatch, flags, message):

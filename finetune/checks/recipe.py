@@ -219,17 +219,23 @@ def check_attention(model, source: str) -> None:
 
 
 def check_mxfp4(run, source: str) -> None:
-    """An MXFP4 checkpoint (the recipe's, which --tiny stands in for) trains only dequantized to the training dtype."""
+    """An MXFP4 checkpoint (the recipe's, which --tiny stands in for) trains dequantized to the training dtype, or
+    with its experts resident in MXFP4 in a single process through the grouped expert LoRA."""
     from finetune.models import mxfp4
 
     name = run.model.model_name_or_path
     if not mxfp4.is_mxfp4_checkpoint(name):
         return
     if not run.finetune.dequantize_mxfp4:
-        raise UserError(
-            f"{source}: `dequantize_mxfp4: false` keeps {name}'s experts in 4-bit MXFP4, which carry no gradients "
-            f"(nothing would train through them); remove it so they load dequantized to the training dtype."
-        )
+        strategy = requested_strategy()
+        if strategy != "single":
+            raise UserError(f"{source}: `dequantize_mxfp4: false` keeps the experts resident in MXFP4 in one process "
+                            f"only, and this launch runs {strategy}; launch one process or set `dequantize_mxfp4: "
+                            f"true`.")
+        if run.finetune.expert_lora_kernel != "grouped" and run.model.lora_target_parameters:
+            raise UserError(f"{source}: `expert_lora_kernel: {run.finetune.expert_lora_kernel}` adds B·A to the expert "
+                            f"weights, which `dequantize_mxfp4: false` keeps packed in MXFP4; use `expert_lora_kernel: "
+                            f"grouped` or `dequantize_mxfp4: true`.")
     if run.model.load_in_4bit or run.model.load_in_8bit:
         flag = "load_in_4bit" if run.model.load_in_4bit else "load_in_8bit"
         raise UserError(

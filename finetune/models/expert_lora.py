@@ -146,22 +146,23 @@ class GroupedLoraMatmul(torch.autograd.Function):
     """y = x·W_e + s·(x·L_e)·R_e for the rows of each expert e; gradients for x, L and R, none for the frozen W.
 
     x [rows, in] sorted by expert, W [experts, in, out], L [experts, in, r], R [experts, r, out]; L and R may be None
-    (an expert weight that is not adapted)."""
+    (an expert weight that is not adapted). With `scales`, W is given as MXFP4 blocks (`weight`) and scales and is
+    dequantized inside each frozen GEMM, forward and backward (finetune/models/mxfp4_experts.py)."""
 
     @staticmethod
-    def forward(ctx, x, weight, lora_in, lora_out, offsets, scaling):
-        output = grouped_mm(x, weight, offsets)
+    def forward(ctx, x, weight, lora_in, lora_out, offsets, scaling, scales=None):
+        output = frozen_mm(x, weight, scales, offsets, transposed=False)
         projected = None
         if lora_in is not None:
             projected = grouped_mm(x, lora_in, offsets)
             output = output + scaling * grouped_mm(projected, lora_out, offsets)
-        ctx.save_for_backward(x, weight, lora_in, lora_out, offsets, projected)
+        ctx.save_for_backward(x, weight, lora_in, lora_out, offsets, projected, scales)
         ctx.scaling = scaling
         return output
 
     @staticmethod
     def backward(ctx, grad_output):
-        x, weight, lora_in, lora_out, offsets, projected = ctx.saved_tensors
+        x, weight, lora_in, lora_out, offsets, projected, scales = ctx.saved_tensors
         grad_output = grad_output.contiguous()
         grad_x = grad_in = grad_out = None
         grad_projected = None
@@ -172,10 +173,18 @@ class GroupedLoraMatmul(torch.autograd.Function):
             if ctx.needs_input_grad[2]:
                 grad_in = grouped_mm_per_expert(x, grad_projected, offsets)
         if ctx.needs_input_grad[0]:
-            grad_x = grouped_mm(grad_output, weight.transpose(-2, -1), offsets)
+            grad_x = frozen_mm(grad_output, weight, scales, offsets, transposed=True)
             if grad_projected is not None:
                 grad_x = grad_x + grouped_mm(grad_projected, lora_in.transpose(-2, -1), offsets)
-        return grad_x, None, grad_in, grad_out, None, None
+        return grad_x, None, grad_in, grad_out, None, None, None
+
+
+def frozen_mm(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None, offsets: torch.Tensor,
+              transposed: bool) -> torch.Tensor:
+    """x times the frozen W [experts, in, out] (or its transpose): dense, or MXFP4 blocks with their scales."""
+    if scales is None:
+        return grouped_mm(x, weight.transpose(-2, -1) if transposed else weight, offsets)
+    return torch.ops.finetune.mxfp4_grouped_mm(x, weight, scales, offsets, transposed)
 
 
 def lora_factors(wrapper: ParamWrapper, adapter: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, float]:
@@ -209,9 +218,12 @@ def experts_forward(experts, hidden_states, router_indices, routing_weights, ada
     offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
 
     def project(inputs, name):
-        weight = getattr(experts, name)
+        dtype = getattr(experts, name).dtype
+        # MXFP4 experts (finetune/models/mxfp4_experts.py) hold blocks and scales beside a placeholder of the compute dtype
+        weight, scales = (getattr(experts, f"{name}_blocks"), getattr(experts, f"{name}_scales")) \
+            if hasattr(experts, f"{name}_blocks") else (getattr(experts, name), None)
         lora_in, lora_out, scaling = adapters.get(name, (None, None, 1.0))
-        output = GroupedLoraMatmul.apply(inputs.to(weight.dtype), weight, lora_in, lora_out, offsets, scaling)
+        output = GroupedLoraMatmul.apply(inputs.to(dtype), weight, lora_in, lora_out, offsets, scaling, scales)
         return output + getattr(experts, f"{name}_bias")[expert_ids] if experts.has_bias else output
 
     gated = experts._apply_gate(project(x, "gate_up_proj"))  # transformers' private gate: see finetune/patches.py

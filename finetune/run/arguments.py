@@ -144,8 +144,10 @@ class FinetuneArguments:
     )
     dequantize_mxfp4: bool = field(
         default=True,
-        metadata={"help": "MXFP4 checkpoints (openai/gpt-oss-*): dequantize the experts to the training dtype on load. "
-                          "Training needs it (4-bit experts carry no gradients)."},
+        metadata={"help": "MXFP4 checkpoints (openai/gpt-oss-*): true dequantizes the experts to the training dtype "
+                          "on load; false keeps them resident in MXFP4 on the GPU (a quarter of the memory) and "
+                          "dequantizes each layer's just before its GEMMs, with bit-equal results "
+                          "(finetune/mxfp4_experts.py; one process, expert_lora_kernel: grouped)."},
     )
     resume_with_new_schedule: bool = field(
         default=False,

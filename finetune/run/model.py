@@ -14,7 +14,7 @@ from trl import get_peft_config, get_quantization_config
 from finetune import families
 from finetune.config.launch_request import requested_strategy
 from finetune.errors import UserError, first_line
-from finetune.models import attention, cpu, mxfp4
+from finetune.models import attention, cpu, mxfp4, mxfp4_loading
 from finetune.run.arguments import RunConfig
 
 # peft's PeftModel (peft_model.py) and TRL read the attribute transformers 5.2x renamed; the warning is theirs to fix
@@ -82,14 +82,26 @@ def model_init_kwargs(run: RunConfig, model_path: str) -> dict:
             # 14 GiB of host memory, against 79 s and 50 GiB per process on the CPU (docs/gpt-oss.md). Sharded
             # strategies load on the CPU and place the shards themselves.
             kwargs["device_map"] = {"": PartialState().local_process_index}
+    elif mxfp4.is_mxfp4_checkpoint(model_path):  # experts kept in MXFP4 (mxfp4_loading): on the process's device
+        kwargs["device_map"] = {"": "cpu" if cpu.on_cpu() else PartialState().local_process_index}
     return {key: value for key, value in kwargs.items() if value is not None}
+
+
+def load_mxfp4_resident(model_path: str, kwargs: dict) -> PreTrainedModel:
+    """from_pretrained's arguments (model_init_kwargs) applied to the MXFP4 loader that keeps the experts packed."""
+    kwargs = {key: value for key, value in kwargs.items() if key != "use_safetensors"}  # it reads safetensors only
+    return mxfp4_loading.load(model_path, device=kwargs.pop("device_map")[""], **kwargs)
 
 
 def load_model(run: RunConfig, model_path: str) -> PreTrainedModel:
     if run.model.attn_implementation == attention.VARLEN_ATTENTION:
         attention.register()
     try:
-        model = AutoModelForCausalLM.from_pretrained(model_path, **model_init_kwargs(run, model_path))
+        kwargs = model_init_kwargs(run, model_path)
+        if mxfp4.is_mxfp4_checkpoint(model_path) and "quantization_config" not in kwargs:
+            model = load_mxfp4_resident(model_path, kwargs)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
     except OSError as error:
         raise UserError(
             f"{model_path}: the model could not be loaded ({first_line(error)}); without network pass "

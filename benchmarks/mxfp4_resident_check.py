@@ -1,0 +1,198 @@
+"""GPT-OSS experts resident in MXFP4 (finetune/mxfp4_experts.py) on one GPU, real shapes, random weights, no network,
+under 3 minutes (a CPU with TRITON_INTERPRET=1 and --architecture TINY_MODEL_FOLDER runs the code, not the check):
+
+    python benchmarks/mxfp4_resident_check.py [--architecture gpt-oss-20b|gpt-oss-120b] [--tokens 8192]
+
+The Triton dequantizer bit-equal to the reference (a layer's blocks; every scale byte), its time per layer; one layer's
+experts with LoRA, forward + backward, dense bf16 against resident (time, peak memory, max abs differences: 0 expected);
+a 2-layer checkpoint loaded resident (seconds, peak memory). One JSON line, also in $OUT/mxfp4_resident_check.json.
+"""
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import transformers
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/ is beside finetune/, not installed
+
+from benchmarks import mxfp4_checkpoints  # noqa: E402
+from finetune.families import load_architecture  # noqa: E402
+from finetune.models import expert_lora, mxfp4_experts, mxfp4_loading, mxfp4_triton  # noqa: E402
+
+GIB = 1 << 30
+RANK = 16
+# The GPU the check is for; a CPU (with TRITON_INTERPRET=1 and --architecture FOLDER of a tiny model) only runs its code
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+ON_GPU = DEVICE.type == "cuda"
+
+
+synchronize = torch.cuda.synchronize if ON_GPU else (lambda: None)
+
+
+def reset_peak() -> int:
+    synchronize()
+    if ON_GPU:
+        torch.cuda.reset_peak_memory_stats()
+    return torch.cuda.memory_allocated() if ON_GPU else 0
+
+
+def peak_since(base: int) -> float:
+    return (torch.cuda.max_memory_allocated() - base) / GIB if ON_GPU else 0.0
+
+
+def stored_bytes(module) -> int:
+    return sum(t.numel() * t.element_size() for t in module.state_dict().values() if not mxfp4_experts.is_placeholder(t))
+
+
+def random_packed(experts, outputs, inputs, generator, scales=(118, 122)):
+    shape = (experts, outputs, inputs // mxfp4_experts.BLOCK)
+    return (torch.randint(0, 256, (*shape, 16), dtype=torch.uint8, device=DEVICE, generator=generator),
+            torch.randint(*scales, shape, dtype=torch.uint8, device=DEVICE, generator=generator))
+
+
+def bit_equal(blocks, scales, dtype, chunk=8):
+    """Kernel against reference, `chunk` experts at a time (the reference's temporaries are 12 bytes per value)."""
+    kernel = mxfp4_triton.dequantize(blocks, scales, dtype)
+    integer = {torch.bfloat16: torch.int16, torch.float32: torch.int32}[dtype]
+    return all(torch.equal(kernel[start:start + chunk].view(integer),
+                           mxfp4_experts.dequantize(blocks[start:start + chunk], scales[start:start + chunk],
+                                                    dtype).view(integer))
+               for start in range(0, blocks.shape[0], chunk))
+
+
+def timed(function, repeats=5):
+    """Mean milliseconds of `function()` after one warm-up call."""
+    function()
+    synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        function()
+    synchronize()
+    return (time.perf_counter() - start) * 1000 / repeats
+
+
+def experts_pair(config, packed):
+    """The real GptOssExperts twice, the same weights: dense bf16, and resident in MXFP4."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    with torch.device("meta"):
+        dense, resident = GptOssExperts(config), GptOssExperts(config)
+    mxfp4_experts.make_resident(resident, DEVICE, torch.bfloat16)
+    for name, (blocks, scales) in packed.items():
+        getattr(resident, f"{name}_blocks").copy_(blocks)
+        getattr(resident, f"{name}_scales").copy_(scales)
+        setattr(dense, name, frozen(mxfp4_triton.dequantize(blocks, scales, torch.bfloat16)))
+        for module in (dense, resident):
+            setattr(module, f"{name}_bias", frozen(torch.full(blocks.shape[:2], 0.02, device=DEVICE)))
+    return dense, resident
+
+
+def frozen(tensor):
+    return torch.nn.Parameter(tensor.to(torch.bfloat16), requires_grad=False)
+
+
+def forward_backward(experts, hidden, indices, weights, adapters):
+    """Output and the gradients of the input, the routing weights and every LoRA factor."""
+    leaves = [hidden, weights, *(factor for lora_in, lora_out, _ in adapters.values() for factor in (lora_in, lora_out))]
+    output = expert_lora.experts_forward(experts, hidden, indices, weights, adapters)
+    return [output.detach(), *torch.autograd.grad(output.float().square().mean(), leaves)]
+
+
+def layer_check(config, tokens, generator):
+    experts, hidden, intermediate = config.num_local_experts, config.hidden_size, config.intermediate_size
+    shapes = {"gate_up_proj": (hidden, 2 * intermediate), "down_proj": (intermediate, hidden)}
+    packed = {name: random_packed(experts, outputs, inputs, generator) for name, (inputs, outputs) in shapes.items()}
+    every_scale = random_packed(experts, 2 * intermediate, hidden, generator, scales=(0, 255))
+    result = {"kernel_bit_equal": {str(dtype): all(bit_equal(*pair, dtype) for pair in packed.values())
+                                   for dtype in (torch.bfloat16, torch.float32)},
+              "kernel_bit_equal_every_scale": {str(dtype): bit_equal(*every_scale, dtype)
+                                               for dtype in (torch.bfloat16, torch.float32)}}
+    milliseconds = timed(lambda: [mxfp4_triton.dequantize(*pair, torch.bfloat16) for pair in packed.values()])
+    moved = sum(blocks.numel() + scales.numel() + 2 * 2 * blocks.numel() for blocks, scales in packed.values())
+    result["dequantize_layer_ms"] = round(milliseconds, 3)
+    result["dequantize_GBps"] = round(moved / milliseconds / 1e6, 1)
+
+    dense, resident = experts_pair(config, packed)
+    hidden_states = torch.randn(tokens, hidden, device=DEVICE, dtype=torch.bfloat16, generator=generator)
+    logits = torch.randn(tokens, experts, device=DEVICE, generator=generator)
+    top, indices = logits.topk(config.num_experts_per_tok, dim=-1)
+    routing = torch.softmax(top, dim=-1).to(torch.bfloat16)
+    adapters = {name: tuple((torch.randn(experts, *shape, device=DEVICE, generator=generator) * 0.01)
+                            .to(torch.bfloat16).requires_grad_() for shape in ((inputs, RANK), (RANK, outputs)))
+                + (2.0,) for name, (inputs, outputs) in shapes.items()}
+    runs = {}
+    for label, module in (("dense", dense), ("resident", resident)):
+        inputs = (hidden_states.clone().requires_grad_(), indices, routing.clone().requires_grad_())
+        base = reset_peak()
+        runs[label] = forward_backward(module, *inputs, adapters)
+        peak = peak_since(base)
+        milliseconds = timed(lambda module=module, inputs=inputs: forward_backward(module, *inputs, adapters))
+        result[label] = {"fwd_bwd_ms": round(milliseconds, 2), "peak_above_weights_GiB": round(peak, 3),
+                         "weights_GiB": round(stored_bytes(module) / GIB, 3)}
+    names = ["output", "grad_hidden", "grad_routing", *(f"grad_{name}_{f}" for name in shapes for f in ("L", "R"))]
+    result["max_abs_diff"] = {name: (a.float() - b.float()).abs().max().item()
+                              for name, a, b in zip(names, runs["dense"], runs["resident"], strict=True)}
+    result["resident_over_dense_time"] = round(result["resident"]["fwd_bwd_ms"] / result["dense"]["fwd_bwd_ms"], 3)
+    return result
+
+
+def load_check(config, folder: Path, generator):
+    """Two layers written as the hub ships them, loaded resident: seconds, peak GPU memory (near the experts' bf16 size
+    would mean a dense copy was made)."""
+    config = config.__class__.from_dict({**config.to_dict(), "num_hidden_layers": 2,
+                                         "layer_types": config.layer_types[:2]})
+    with torch.device("meta"):
+        shapes = {name: t.shape for name, t in transformers.AutoModelForCausalLM.from_config(config).state_dict().items()}
+
+    def tensors():
+        for name, shape in shapes.items():
+            if name.endswith(mxfp4_checkpoints.EXPERT_WEIGHTS):
+                experts, inputs, outputs = shape
+                blocks, scales = random_packed(experts, outputs, inputs, generator)
+                yield f"{name}_blocks", blocks.cpu()
+                yield f"{name}_scales", scales.cpu()
+            else:
+                yield name, torch.randn(shape, device=DEVICE, generator=generator).to(torch.bfloat16).cpu()
+
+    mxfp4_checkpoints.write_checkpoint(config, tensors(), folder, shard_bytes=1 << 30)
+    stored = json.loads((folder / "model.safetensors.index.json").read_text())["metadata"]["total_size"]
+    base = reset_peak()
+    start = time.perf_counter()
+    model = mxfp4_loading.load(str(folder), DEVICE, "bfloat16")
+    synchronize()
+    seconds = time.perf_counter() - start
+    return {"load_2_layers_s": round(seconds, 2), "stored_GiB": round(stored / GIB, 3),
+            "resident_GiB": round(stored_bytes(model) / GIB, 3), "load_peak_GiB": round(peak_since(base), 3)}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--architecture", default="gpt-oss-20b")
+    parser.add_argument("--tokens", type=int, default=8192, help="routed tokens: batch 4 x 2048 by default")
+    args = parser.parse_args()
+    config = transformers.AutoConfig.from_pretrained(args.architecture) if Path(args.architecture).is_dir() \
+        else load_architecture(args.architecture)
+    generator = torch.Generator(device=DEVICE).manual_seed(0)
+    device = torch.cuda.get_device_name() if ON_GPU else "cpu"
+    result = {"architecture": args.architecture, "device": device, "torch": torch.__version__,
+              "transformers": transformers.__version__, "triton": triton.__version__, "tokens": args.tokens}
+    start = time.perf_counter()
+    result.update(layer_check(config, args.tokens, generator))
+    with tempfile.TemporaryDirectory(prefix="mxfp4-resident-") as folder:
+        result.update(load_check(config, Path(folder), generator))
+    result["seconds"] = round(time.perf_counter() - start, 1)
+    line = json.dumps(result)
+    print(line)
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "mxfp4_resident_check.json").write_text(line + "\n")
+
+
+if __name__ == "__main__":
+    main()

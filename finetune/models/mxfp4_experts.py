@@ -1,0 +1,137 @@
+"""GPT-OSS experts kept in MXFP4 and computed from it: the frozen expert weights stay as the checkpoint stores them
+(`gate_up_proj_blocks`/`_scales`, `down_proj_blocks`/`_scales`, uint8) and are dequantized just before each grouped
+GEMM, in the forward and again in the backward, never saved. FP4 values times a power of two are exact in bf16 and
+float32, so each GEMM sees the very weight that dequantizing at load gives.
+
+The format (benchmarks/mxfp4_checkpoints.py writes and reads it independently): a weight held [experts, in, out] in
+memory is stored [experts, out, in / 32, 16]: 32 values along `in` share one E8M0 scale byte s (2**(s - 127)), two
+FP4 E2M1 values per byte, the even-indexed one in the low nibble.
+
+`make_resident` turns a loaded-or-meta GPT-OSS experts module into one holding blocks and scales; its
+`gate_up_proj`/`down_proj` become placeholders of the right shape, dtype and device that own one element (a
+zero-stride view), so that peft's `target_parameters` builds its ParamWrapper and adapters exactly as on the
+dequantized model (same keys and shapes). The arithmetic is expert_lora's: the frozen GEMM of `GroupedLoraMatmul`
+reads blocks and scales through the `finetune::mxfp4_grouped_mm` operator here, opaque to torch.compile, so that no
+compiled graph can keep the dequantized weight for the backward.
+"""
+
+import torch
+
+from finetune.models import expert_lora
+
+BLOCK = 32  # values that share one scale
+SCALE_BIAS = 127
+PACKED = ("_blocks", "_scales")
+# FP4 E2M1 by its 4-bit code: sign bit, then 0, 0.5, 1, 1.5, 2, 3, 4, 6
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def scale_values(scales: torch.Tensor) -> torch.Tensor:
+    """2**(s - 127) in float32, built from its bits: byte s is the float's exponent field (s = 0: 2**-127, the
+    subnormal 0x00400000), so no exp2 rounding can enter."""
+    bits = scales.to(torch.int32) << 23
+    return torch.where(scales == 0, 0x00400000, bits).view(torch.float32)
+
+
+def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The reference: stored blocks [E, out, in/32, 16] and scales [E, out, in/32] -> weight [E, in, out] of `dtype`,
+    contiguous as the dequantize-at-load path holds it. Each value is the float32 product of the FP4 value and the
+    scale, rounded to `dtype` (exact for every scale a checkpoint uses)."""
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=blocks.device)
+    values = torch.stack([lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]], dim=-1).flatten(-2)
+    weights = (values * scale_values(scales).unsqueeze(-1)).to(dtype)  # [E, out, in/32, 32]
+    experts, rows = weights.shape[:2]
+    return weights.reshape(experts, rows, -1).transpose(1, 2).contiguous()
+
+
+def dequantize_on_device(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The Triton kernel on a CUDA GPU where triton is installed (bit-equal to `dequantize`), the reference elsewhere."""
+    if blocks.device.type == "cuda":
+        try:
+            from finetune.models import mxfp4_triton
+        except ImportError:  # no triton: the reference, with its larger temporaries
+            return dequantize(blocks, scales, dtype)
+        return mxfp4_triton.dequantize(blocks, scales, dtype)
+    return dequantize(blocks, scales, dtype)
+
+
+def in_features(blocks: torch.Tensor) -> int:
+    return blocks.shape[-2] * BLOCK
+
+
+# ---- The frozen GEMM from MXFP4 ----------------------------------------------------------------------------------
+
+
+def _mxfp4_grouped_mm(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
+                      transposed: bool) -> torch.Tensor:
+    weight = dequantize_on_device(blocks, scales, x.dtype)
+    return expert_lora.grouped_mm(x, weight.transpose(-2, -1) if transposed else weight, offsets)
+
+
+def _mxfp4_grouped_mm_fake(x, blocks, scales, offsets, transposed):
+    return x.new_empty(x.shape[0], in_features(blocks) if transposed else blocks.shape[1])
+
+
+# A custom operator: the dequantized weight is a temporary inside it, so a compiled layer's partitioner cannot choose
+# to save it for the backward (the backward calls the operator again, transposed).
+torch.library.custom_op("finetune::mxfp4_grouped_mm", _mxfp4_grouped_mm, mutates_args=(),
+                        schema="(Tensor x, Tensor blocks, Tensor scales, Tensor offsets, bool transposed) -> Tensor")
+torch.library.register_fake("finetune::mxfp4_grouped_mm", _mxfp4_grouped_mm_fake)
+
+
+def grouped_mm(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
+               transposed: bool = False) -> torch.Tensor:
+    """expert_lora.grouped_mm with the weight [E, in, out] (transposed: its transpose) given as blocks and scales."""
+    return torch.ops.finetune.mxfp4_grouped_mm(x, blocks, scales, offsets, transposed)
+
+
+# ---- The resident experts module ----------------------------------------------------------------------------------
+
+
+def placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.nn.Parameter:
+    """A frozen parameter of this shape, dtype and device owning one element: what peft reads of an expert weight."""
+    return torch.nn.Parameter(torch.zeros((), dtype=dtype, device=device).expand(shape), requires_grad=False)
+
+
+def is_placeholder(tensor: torch.Tensor) -> bool:
+    return tensor.dim() > 0 and not any(tensor.stride())
+
+
+class ResidentExperts:
+    """Mixed into a GPT-OSS experts class by `make_resident`: the forward without expert adapters (attention-only
+    LoRA, evaluation, no LoRA) is expert_lora's grouped path with no adapters."""
+
+    def forward(self, hidden_states, router_indices=None, routing_weights=None):
+        if torch.nn.utils.parametrize.is_parametrized(self):
+            # peft's own expert LoRA adds B·A to the placeholder weights; the packed weights cannot take it
+            raise RuntimeError("experts kept in MXFP4 train expert LoRA only through finetune's grouped path "
+                               "(expert_lora_kernel: grouped, one adapter, not merged)")
+        return expert_lora.experts_forward(self, hidden_states, router_indices, routing_weights, {})
+
+
+_resident_classes: dict[type, type] = {}
+
+
+def _resident_class(cls: type) -> type:
+    if cls not in _resident_classes:
+        _resident_classes[cls] = type(f"Mxfp4{cls.__name__}", (ResidentExperts, cls), {})
+    return _resident_classes[cls]
+
+
+def fits(experts: torch.nn.Module) -> bool:
+    """A GPT-OSS experts module: weights [E, in, out] and the gate between them (what experts_forward computes)."""
+    return (all(isinstance(getattr(experts, name, None), torch.Tensor) for name in expert_lora.EXPERT_WEIGHTS)
+            and getattr(experts, "is_transposed", False) and hasattr(experts, "_apply_gate"))
+
+
+def make_resident(experts: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Replace the module's expert weights by empty blocks and scales on `device` (filled by the loader) and
+    placeholders of `dtype`, the dtype the experts compute in."""
+    for name in expert_lora.EXPERT_WEIGHTS:
+        experts_count, inputs, outputs = getattr(experts, name).shape
+        delattr(experts, name)
+        shape = (experts_count, outputs, inputs // BLOCK)
+        experts.register_buffer(f"{name}_blocks", torch.empty(*shape, BLOCK // 2, dtype=torch.uint8, device=device))
+        experts.register_buffer(f"{name}_scales", torch.empty(shape, dtype=torch.uint8, device=device))
+        setattr(experts, name, placeholder(torch.Size((experts_count, inputs, outputs)), dtype, device))
+    experts.__class__ = _resident_class(type(experts))

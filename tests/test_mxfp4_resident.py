@@ -1,0 +1,215 @@
+"""GPT-OSS experts resident in MXFP4 (`dequantize_mxfp4: false`; finetune/mxfp4_experts.py, finetune/mxfp4_loading.py)
+compute what the dequantize-at-load path computes, bit for bit: the tiny GPT-OSS written as the hub ships it, loaded
+through the recipe's model loading both ways, trained a few steps with LoRA through peft and the grouped expert LoRA;
+losses and every adapter gradient are equal (exactly: both paths run the same GEMMs on the same float32 weights).
+A scale exponent off by one breaks that equality, so the comparison can see a wrong dequantizer.
+
+The dequantizer is checked against benchmarks/mxfp4_checkpoints.py's reader, written from the format's definition,
+and the Triton kernel (under TRITON_INTERPRET=1, skipped without triton) against the dequantizer.
+"""
+
+import importlib
+
+import pytest
+import torch
+from transformers import AutoConfig
+
+from benchmarks import mxfp4_checkpoints
+from finetune.models import expert_lora, mxfp4_experts, mxfp4_loading
+
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def mxfp4_folder():
+    return mxfp4_checkpoints.tiny_checkpoint()
+
+
+@pytest.fixture(scope="module")
+def many_shards(mxfp4_folder, tmp_path_factory):
+    """The same checkpoint cut into shards of at most 64 kB: tensors of one experts module land in different files."""
+    from safetensors.torch import load_file
+
+    stored = {}
+    for shard in sorted(mxfp4_folder.glob("*.safetensors")):
+        stored.update(load_file(str(shard)))
+    folder = tmp_path_factory.mktemp("many-shards")
+    return mxfp4_checkpoints.write_checkpoint(AutoConfig.from_pretrained(mxfp4_folder), sorted(stored.items()), folder,
+                                              shard_bytes=64 << 10)
+
+
+def random_packed(experts=3, outputs=40, groups=4, scales=(0, 255)):
+    generator = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (experts, outputs, groups, 16), dtype=torch.uint8, generator=generator)
+    return blocks, torch.randint(*scales, (experts, outputs, groups), dtype=torch.uint8, generator=generator)
+
+
+def bits(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.view({torch.float32: torch.int32, torch.bfloat16: torch.int16}[tensor.dtype])
+
+
+def test_reference_dequantizer_gives_the_checkpoint_reader_s_weights_bit_for_bit():
+    blocks, scales = random_packed()  # every scale byte, 0 (2**-127) to 254 (2**127)
+    expected = mxfp4_checkpoints.dequantize(blocks, scales)
+    assert torch.equal(bits(mxfp4_experts.dequantize(blocks, scales, torch.float32)), bits(expected))
+    assert torch.equal(bits(mxfp4_experts.dequantize(blocks, scales, torch.bfloat16)),
+                       bits(expected.to(torch.bfloat16)))
+
+
+def test_triton_kernel_equals_the_reference_under_the_interpreter(monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from finetune.models import mxfp4_triton
+
+    kernel = importlib.reload(mxfp4_triton)  # @triton.jit reads TRITON_INTERPRET when the module is imported
+    # Scales a checkpoint holds: the interpreter's (numpy's) float32 -> bf16 rounding of subnormal products differs
+    # from torch's; benchmarks/mxfp4_resident_check.py checks every scale byte on the GPU.
+    blocks, scales = random_packed(experts=2, outputs=72, groups=3, scales=(100, 150))
+    for dtype in (torch.float32, torch.bfloat16):
+        expected = mxfp4_experts.dequantize(blocks, scales, dtype)
+        assert torch.equal(bits(kernel.dequantize(blocks, scales, dtype)), bits(expected)), dtype
+
+
+@pytest.mark.parametrize("checkpoint", ["one shard", "many shards"])
+def test_loading_keeps_the_stored_experts_packed_and_the_other_weights_as_stored(mxfp4_folder, many_shards,
+                                                                                   checkpoint):
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    folder = mxfp4_folder if checkpoint == "one shard" else many_shards
+    assert (len(list(folder.glob("*.safetensors"))) > 1) == (checkpoint == "many shards")
+    resident = mxfp4_loading.load(str(folder), "cpu", torch.float32).state_dict()
+    dequantized = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                                       quantization_config=Mxfp4Config(dequantize=True)).state_dict()
+    expert_weights = mxfp4_checkpoints.stored_expert_weights(folder)
+    for name, weight in expert_weights.items():
+        blocks, scales = resident[f"{name}_blocks"], resident[f"{name}_scales"]
+        assert blocks.dtype == scales.dtype == torch.uint8
+        assert torch.equal(mxfp4_checkpoints.dequantize(blocks, scales), weight), name
+        placeholder = resident[name]
+        assert placeholder.shape == weight.shape and placeholder.untyped_storage().nbytes() == 4, name
+    others = set(dequantized) - set(expert_weights)
+    assert others and others <= set(resident)
+    for name in others:
+        assert torch.equal(resident[name], dequantized[name]), name
+
+
+def training_run(folder, tmp_path, monkeypatch, dequantize: bool, targets: str, dequantizer=None):
+    """The recipe's model loading, its LoRA config through peft, the grouped expert LoRA, then STEPS optimizer steps.
+    Returns each step's loss and adapter gradients."""
+    from peft import get_peft_model
+
+    from finetune.checks import model_folder
+    from finetune.checks import recipe as recipe_checks
+    from finetune.run import arguments, model
+
+    flags = ["--config", "recipes/gpt-oss-20b/lora.yaml", "--model_name_or_path", str(folder), "--output_dir",
+             str(tmp_path / "out"), "--dequantize_mxfp4", str(dequantize).lower()]
+    if targets == "attention only":
+        flags += ["--lora_target_parameters", "none"]
+    run = arguments.parse_args(flags)
+    recipe_checks.check(run)
+    with monkeypatch.context() as patch:
+        if dequantizer is not None:
+            patch.setattr(mxfp4_experts, "dequantize", dequantizer)
+        loaded = model.load_model(run, model_folder.resolve_model_path(run))
+        assert any(isinstance(module, mxfp4_experts.ResidentExperts) for module in loaded.modules()) != dequantize
+        torch.manual_seed(0)
+        peft_model = get_peft_model(loaded, model.lora_config(run))
+        assert expert_lora.install(peft_model) == (2 if targets == "attention and experts" else 0)
+        peft_model.train()
+        optimizer = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=1e-2)
+        ids = torch.randint(0, 200, (2, 32), generator=torch.Generator().manual_seed(2))
+        steps = []
+        for _ in range(STEPS):
+            loss = peft_model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            steps.append((loss.item(), {name: parameter.grad.clone() for name, parameter in
+                                        peft_model.named_parameters() if parameter.grad is not None}))
+            optimizer.step()
+            optimizer.zero_grad()
+    return steps
+
+
+def one_scale_off_by_one(blocks, scales, dtype):
+    wrong = scales.clone()
+    wrong[:, 0, 0] += 1  # every expert's first 32 weights of its first output doubled
+    return mxfp4_checkpoints.dequantize(blocks, wrong).to(dtype)
+
+
+@pytest.mark.parametrize("targets", ["attention and experts", "attention only"])
+@pytest.mark.parametrize("dequantizer", [None, one_scale_off_by_one], ids=["reference", "one scale off by one"])
+def test_training_on_resident_experts_gives_the_dequantized_losses_and_gradients(mxfp4_folder, tmp_path, monkeypatch,
+                                                                                 targets, dequantizer):
+    expected = training_run(mxfp4_folder, tmp_path, monkeypatch, True, targets)
+    actual = training_run(mxfp4_folder, tmp_path, monkeypatch, False, targets, dequantizer)
+    gradients = expected[-1][1]
+    assert any("experts" in name for name in gradients) == (targets == "attention and experts")
+    assert all(gradient.abs().max() > 0 for gradient in gradients.values())
+    equal = all(loss == expected_loss and grads.keys() == expected_grads.keys()
+                and all(torch.equal(grads[name], expected_grads[name]) for name in grads)
+                for (loss, grads), (expected_loss, expected_grads) in zip(actual, expected, strict=True))
+    assert equal == (dequantizer is None)
+
+
+def test_saved_adapter_has_the_dequantized_model_s_keys_and_shapes(mxfp4_folder):
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    config = LoraConfig(r=8, target_modules=["q_proj"], target_parameters=list(expert_lora.EXPERT_WEIGHTS))
+    adapters = []
+    for loaded in (mxfp4_loading.load(str(mxfp4_folder), "cpu", torch.float32),
+                   AutoModelForCausalLM.from_pretrained(mxfp4_folder, dtype=torch.float32,
+                                                        quantization_config=Mxfp4Config(dequantize=True))):
+        state = get_peft_model_state_dict(get_peft_model(loaded, config))
+        adapters.append({name: tuple(tensor.shape) for name, tensor in state.items()})
+    assert adapters[0] == adapters[1] and any("experts" in name for name in adapters[0])
+
+
+def test_peft_s_own_expert_lora_on_resident_experts_is_refused_not_silently_dropped(mxfp4_folder):
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(mxfp4_loading.load(str(mxfp4_folder), "cpu", torch.float32),
+                           LoraConfig(r=8, target_modules=["q_proj"], target_parameters=["mlp.experts.down_proj"]))
+    ids = torch.randint(0, 200, (1, 8))
+    with pytest.raises(RuntimeError, match="only through finetune's grouped path"):
+        model(input_ids=ids)
+    with torch.no_grad(), model.disable_adapter():
+        model(input_ids=ids)  # no expert adapter active: the resident experts' own forward
+
+
+def test_resident_experts_trace_whole_under_torch_compile(mxfp4_folder):
+    """fullgraph under aot_eager: the dequantizing GEMM is one opaque operator, forward and backward."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(mxfp4_loading.load(str(mxfp4_folder), "cpu", torch.float32),
+                           LoraConfig(r=8, target_modules=["q_proj"], target_parameters=["mlp.experts.down_proj"],
+                                      init_lora_weights=False))
+    assert expert_lora.install(model) == 2
+    experts = model.base_model.model.model.layers[0].mlp.experts
+    generator = torch.Generator().manual_seed(4)
+    hidden = torch.randn(24, 64, generator=generator)
+    indices = torch.stack([torch.randperm(4, generator=generator)[:2] for _ in range(24)])
+    weights = torch.softmax(torch.randn(24, 2, generator=generator), dim=-1)
+    results = []
+    torch._dynamo.reset()
+    for module in (experts, torch.compile(experts, backend="aot_eager", fullgraph=True)):
+        inputs = hidden.clone().requires_grad_(True)
+        module(inputs, indices, weights).square().sum().backward()
+        lora_a = experts.lora_A["default"].weight
+        results.append((inputs.grad, lora_a.grad.clone()))
+        lora_a.grad = None
+    assert all(torch.allclose(actual, expected, rtol=1e-5, atol=1e-6)
+               for actual, expected in zip(results[1], results[0], strict=True))
+
+
+def test_resident_experts_in_more_than_one_process_are_refused_before_loading(mxfp4_folder, tmp_path, monkeypatch):
+    from finetune.checks import recipe as recipe_checks
+    from finetune.errors import UserError
+    from finetune.run import arguments
+
+    run = arguments.parse_args(["--config", "recipes/gpt-oss-20b/lora.yaml", "--model_name_or_path", str(mxfp4_folder),
+                             "--output_dir", str(tmp_path / "out"), "--dequantize_mxfp4", "false"])
+    monkeypatch.setattr(recipe_checks, "requested_strategy", lambda: "ddp")  # what a 2-process DDP launch's variables say
+    with pytest.raises(UserError, match="keeps the experts resident in MXFP4 in one process only, and this launch "
+                                        "runs ddp"):
+        recipe_checks.check(run)
