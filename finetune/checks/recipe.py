@@ -84,9 +84,6 @@ def check_expert_targets(run, source: str) -> None:
 
 
 def check_memory_settings(run, source: str) -> None:
-    if not 0 < run.finetune.activation_memory_budget <= 1:
-        raise UserError(f"{source}: `activation_memory_budget: {run.finetune.activation_memory_budget}` is the "
-                        f"fraction of a compiled layer's activations it may keep; give a value above 0 and at most 1.")
     if run.training.activation_offloading and cpu.on_cpu():  # a recipe's value is already off (cpu.cpu_overrides)
         raise UserError("command line: `--activation_offloading true` moves activations out of GPU memory and this "
                         "machine has no GPU; drop the flag here.")

@@ -300,8 +300,12 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
     except json.JSONDecodeError as error:  # a mapping field's JSON, read by the training arguments
         raise UserError(f"{recipe_path or 'command line'}: {_field_with_bad_json(argv, recipe)} is not valid JSON "
                         f"({error.msg}); write it as a JSON object, e.g. '{{\"key\": 1}}'.") from None
-    except ValueError as error:
+    except (ValueError, OverflowError) as error:
         source = recipe_path or "command line"
+        # the dataclasses' __post_init__ fails on some numbers out of range in its own words (`save_steps: inf`: an
+        # OverflowError); the ranges say which number and what to give (checks/recipe.py checks the built values)
+        values, _ = parser.parse_known_args(args=argv)
+        numbers.check_ranges(lambda key: getattr(values, key, None), source)
         raise UserError(f"{source}: {one_sentence(error)}") from None
     if model.lora_target_parameters == ["none"]:  # a list flag cannot be emptied on the command line
         model.lora_target_parameters = None
