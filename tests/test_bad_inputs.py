@@ -402,7 +402,7 @@ def check_bad_input(case, tmp_path, capfd, monkeypatch) -> None:
         result = run_finetune_launch_in_process(launcher, arguments, capfd, monkeypatch)
     else:
         result = run(arguments, launcher)
-    check_refusal(result, expected_words, by_accelerate=bool(launcher) and launcher[0] == ACCELERATE)
+    check_refusal(result, expected_words, by_accelerate=bool(launcher) and launcher[0] != FINETUNE)
     assert folder_state(output_dir) == before, "a refused run changes nothing in its output folder"
 
 

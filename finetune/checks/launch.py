@@ -159,7 +159,7 @@ def check_request(request: LaunchRequest, processes: int) -> list[str]:
             beside.append("mixed_precision")
         if beside:
             raise fields_beside_deepspeed_file_refusal(request.source, deepspeed_file, beside)
-        _check_deepspeed_json(deepspeed_file, request.source)
+        check_deepspeed_json(read_deepspeed_config(deepspeed_file, request.source), deepspeed_file)
     elif kind == "DEEPSPEED":
         _check_zero_stage(request.value("zero_stage"), request.written("zero_stage"), request.source)
     return notes
@@ -185,10 +185,10 @@ def _check_zero_stage(stage, written: str, source: str) -> None:
                         f"model has loaded); use 2 or 3, as accelerate_configs/zero2.yaml and zero3.yaml do.")
 
 
-def _check_deepspeed_json(file: str, source: str) -> None:
-    """What a DeepSpeed JSON asks for that DeepSpeed would fail on after the model has loaded, or that this toolkit
-    does not run (AutoTP's tensor parallelism)."""
-    values = read_deepspeed_config(file, source)  # an object with a zero_optimization object, or refused
+def check_deepspeed_json(values: dict, file: str) -> None:
+    """What a DeepSpeed JSON (read by read_deepspeed_config: an object with a zero_optimization object) asks for that
+    DeepSpeed would fail on after the model has loaded, or that this toolkit does not run (AutoTP's tensor
+    parallelism)."""
     zero = values["zero_optimization"]
     _check_zero_stage(zero.get("stage"), f"`zero_optimization.stage: {json.dumps(zero.get('stage'))}`", file)
     tensor_parallel = values.get("tensor_parallel")
