@@ -76,3 +76,29 @@ def test_the_other_accelerate_launchers_get_the_same_refusal(launcher, tmp_path,
     """`accelerate-launch` was not recognised as a launcher, so every launch-file check was skipped without a word
     (the plain `accelerate launch` case is tests/test_bad_inputs.py's)."""
     check_bad_input(("", lambda t: TINY, ["ds.json", *WORDS], launcher), tmp_path, capfd, monkeypatch)
+
+
+@pytest.mark.parametrize("deepspeed, words", [
+    ({"zero_optimization": {"stage": 2, "overlap_com": True}},
+     ["`zero_optimization.overlap_com` extra inputs are not permitted", "fix its spelling"]),
+    ({"zero_optimization": {"stage": 2, "reduce_bucket_size": "big"}}, ["`zero_optimization.reduce_bucket_size`"]),
+    ({"zero_optimization": {"stage": 2}, "bfloat16": {"enabled": "auto"}}, ["`bfloat16`", "rename it to `bf16`"]),
+], ids=["misspelled zero key", "zero value of the wrong type", "old bfloat16 block"])
+def test_deepspeed_json_is_read_by_deepspeeds_config_model_whichever_way_it_arrives(deepspeed, words, tmp_path, capfd,
+                                                                                   monkeypatch):
+    ds = write(tmp_path / "ds.json", json.dumps(deepspeed))
+    result = run_sft_in_process([*TINY, "--deepspeed", str(ds), "--output_dir", str(tmp_path / "out")], capfd,
+                                monkeypatch)
+    check_refusal(result, ["ds.json", *words], by_accelerate=False)
+
+
+def test_nvme_offload_is_refused_where_the_async_io_op_cannot_load(tmp_path, capfd, monkeypatch):
+    from finetune.checks import launch
+
+    monkeypatch.setattr(launch, "_async_io_loads", lambda: False)
+    ds = write(tmp_path / "ds.json", json.dumps({"zero_optimization": {
+        "stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}}}))
+    result = run_sft_in_process([*TINY, "--deepspeed", str(ds), "--output_dir", str(tmp_path / "out")], capfd,
+                                monkeypatch)
+    check_refusal(result, ["ds.json", "`zero_optimization.offload_param.device: nvme`", "async_io"],
+                  by_accelerate=False)

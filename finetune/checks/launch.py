@@ -191,11 +191,45 @@ def check_deepspeed_json(values: dict, file: str) -> None:
     parallelism)."""
     zero = values["zero_optimization"]
     _check_zero_stage(zero.get("stage"), f"`zero_optimization.stage: {json.dumps(zero.get('stage'))}`", file)
+    if "bfloat16" in values:
+        raise UserError(f"{file}: `bfloat16` is DeepSpeed's old name of the `bf16` block, which transformers fills "
+                        f"from the recipe only under its current name (an \"auto\" left there fails after loading); "
+                        f"rename it to `bf16`.")
+    _check_zero_fields(zero, file)
+    for offload in ("offload_optimizer", "offload_param"):
+        if isinstance(zero.get(offload), dict) and zero[offload].get("device") == "nvme" and not _async_io_loads():
+            raise UserError(f"{file}: `zero_optimization.{offload}.device: nvme` needs DeepSpeed's async_io op, "
+                            f"which cannot load here (libaio missing: `apt install libaio-dev`, then reinstall "
+                            f"deepspeed); offload to `cpu` instead.")
     tensor_parallel = values.get("tensor_parallel")
     size = tensor_parallel.get("autotp_size", 1) if isinstance(tensor_parallel, dict) else 1
     if not isinstance(size, int) or size > 1:
         raise UserError(f"{file}: `tensor_parallel.autotp_size: {size}` asks for DeepSpeed's tensor parallelism "
                         f"(AutoTP), which this toolkit does not run; remove the tensor_parallel block.")
+
+
+def _check_zero_fields(zero: dict, file: str) -> None:
+    """`zero_optimization` read by DeepSpeed's own config model (its keys and their types), where DeepSpeed imports
+    on this machine; DeepSpeed would otherwise refuse it only once the model is loaded."""
+    try:
+        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+        from pydantic import ValidationError
+    except ImportError:  # no DeepSpeed here: the launch fails on that itself
+        return
+    try:
+        DeepSpeedZeroConfig(**zero)
+    except ValidationError as error:
+        problem = error.errors()[0]
+        where = ".".join(str(part) for part in problem["loc"])
+        fix = "remove it or fix its spelling" if problem["type"] == "extra_forbidden" else "fix its value"
+        raise UserError(f"{file}: `zero_optimization.{where}` {problem['msg'].lower()} (DeepSpeed's config model); "
+                        f"{fix}.") from None
+
+
+def _async_io_loads() -> bool:
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    return AsyncIOBuilder().is_compatible(verbose=False)
 
 
 def _one_process_launch(request: LaunchRequest, kind: str) -> list[str]:
