@@ -7,6 +7,7 @@ do the cases `finetune launch` refuses before it hands over to accelerate; the c
 config go through the real `accelerate launch` in a subprocess. tests/test_config.py shows the real process once.
 """
 
+import hashlib
 import json
 import os
 import re
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from finetune import cli
-from tests.helpers import ACCELERATE, ROOT, folder_digest, free_port, run_sft_in_process, write
+from tests.helpers import ACCELERATE, ROOT, free_port, run_sft_in_process, write
 
 FINETUNE = str(Path(sys.executable).with_name("finetune"))
 
@@ -109,8 +110,18 @@ def run_finetune_launch_in_process(command: list[str], arguments: list[str], cap
 
 def accelerate_launch(config_builder):
     """A case launched by the real `accelerate launch -q --config_file` with the file the builder writes."""
-    return lambda t: [ACCELERATE, "launch", "-q", "--config_file", str(config_builder(t)), "--main_process_port",
-                      str(free_port())]
+    def command(t: Path) -> list[str]:
+        return [ACCELERATE, "launch", "-q", "--config_file", str(config_builder(t)), "--main_process_port",
+                str(free_port())]
+
+    command.starts_a_process = True
+    return command
+
+
+def as_params(cases: list) -> list:
+    """A bad-input table as pytest parameters, named by their case, those that start a launcher marked `launches`."""
+    return [pytest.param(case, id=case[0], marks=[pytest.mark.launches] if len(case) > 3 and getattr(
+        case[3], "starts_a_process", False) else []) for case in cases]
 
 
 # An FSDP file as `accelerate config` writes it (FSDP version 1)
@@ -283,7 +294,7 @@ BAD_INPUTS = [
      finetune_launch("distributed_type: [MULTI_GPU\nnum_processes: 2\n")),
     ("unknown distributed type", lambda t: TINY, ["accelerate.yaml", "`distributed_type: MULTI_GPX`", "MULTI_GPU (DDP)"],
      finetune_launch("compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_GPX\nnum_processes: 2\n")),
-    ("misspelled accelerate config key", lambda t: TINY, ["accelerate.yaml", "unknown keys ['num_procesess']", "spelling"],
+    ("misspelled accelerate config key", lambda t: TINY, ["accelerate.yaml", "unknown key `num_procesess`", "spelling"],
      finetune_launch("compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_GPU\nnum_procesess: 2\n")),
     ("accelerate config file missing", lambda t: TINY, ["nowhere.yaml", "not found", "accelerate_configs/"],
      lambda t: [FINETUNE, "launch", "--config_file", str(t / "nowhere.yaml")]),
@@ -341,32 +352,65 @@ def existing_run(folder: Path, arguments: list[str]) -> Path:
     return folder
 
 
-@pytest.mark.parametrize("case", BAD_INPUTS, ids=[case[0] for case in BAD_INPUTS])
+@pytest.mark.parametrize("case", as_params(BAD_INPUTS))
 def test_bad_input_is_one_sentence_naming_file_field_and_fix(case, tmp_path, capfd, monkeypatch):
     check_bad_input(case, tmp_path, capfd, monkeypatch)
 
 
+def output_dir_given(arguments: list[str]) -> Path | None:
+    flags = dict(zip(arguments, arguments[1:]))
+    return Path(flags["--output_dir"]) if "--output_dir" in flags else None
+
+
+def folder_state(folder: Path) -> dict | None:
+    """Every file (its hash) and folder under `folder`, None when it does not exist: a refusal may not create it,
+    nor an empty folder inside it."""
+    if not folder.exists():
+        return None
+    return {str(path.relative_to(folder)): "folder" if path.is_dir() else hashlib.sha256(path.read_bytes()).hexdigest()
+            for path in folder.rglob("*")}
+
+
+# A field as the sentences name one: `key`, `key: value`, a --flag, or the line of a file
+FIELD_NAMED = re.compile(r"`[^`]+`|--\w+|\bline \d+")
+
+
+def names_the_field(sentence: str) -> bool:
+    """The sentence names a field, or opens with the file or folder that is wrong as a whole (missing, damaged, not
+    UTF-8, of no readable type, of no model family)."""
+    opening = sentence.removeprefix("error: ").split()[0].removesuffix(":")
+    return bool(FIELD_NAMED.search(sentence)) or "/" in opening or "." in opening
+
+
 def check_bad_input(case, tmp_path, capfd, monkeypatch) -> None:
     """One case of a bad-input table (this file's, or another test file's for its own area): (name, build_args,
-    expected words[, launcher builder]) ends in one sentence with those words, exit 2, nothing changed."""
+    expected words[, launcher builder]) ends in a non-zero exit without a traceback, in one sentence that ends in a
+    full stop, names a field and gives the fix after a semicolon, with the expected words; no model loaded (in this
+    process loading one fails the test: run_sft_in_process) and the output folder byte for byte as it was (an
+    existing run's, or the case's own --output_dir, which a refusal may not create)."""
     name, build_args, expected_words, *config = case
     arguments = build_args(tmp_path)
-    output_dir = tmp_path / "existing-run"
-    if "--output_dir" not in arguments:
-        existing_run(output_dir, arguments)
+    output_dir = output_dir_given(arguments)
+    if output_dir is None:
+        output_dir = existing_run(tmp_path / "existing-run", arguments)
         arguments = [*arguments, "--output_dir", str(output_dir)]
-    else:
-        output_dir.mkdir()
     launcher = config[0](tmp_path) if config else None
-    before = folder_digest(output_dir)
+    before = folder_state(output_dir)
     if launcher is None:
         result = run_sft_in_process(arguments, capfd, monkeypatch)
     elif launcher[0] == FINETUNE:
         result = run_finetune_launch_in_process(launcher, arguments, capfd, monkeypatch)
     else:
         result = run(arguments, launcher)
+    check_refusal(result, expected_words, by_accelerate=bool(launcher) and launcher[0] != FINETUNE)
+    assert folder_state(output_dir) == before, "a refused run changes nothing in its output folder"
+
+
+def check_refusal(result: subprocess.CompletedProcess, expected_words: list[str], by_accelerate: bool) -> None:
+    """A refusal: non-zero exit without a traceback, one `error:` sentence that ends in a full stop, names a field,
+    gives the fix after a semicolon and holds the expected words, and no model loaded."""
     assert result.returncode != 0, result.stdout[-2000:]
-    if not launcher or launcher[0] != ACCELERATE:
+    if not by_accelerate:
         assert result.returncode == 2
         assert "Traceback" not in result.stderr, result.stderr[-3000:]
     else:
@@ -375,13 +419,25 @@ def check_bad_input(case, tmp_path, capfd, monkeypatch) -> None:
         assert not re.search(r'File "[^"]*(finetune/|scripts/sft\.py)', result.stderr), result.stderr[-3000:]
     errors = re.findall(r"error: [^\r\n]*", result.stderr)
     assert len(errors) == 1, result.stderr[-3000:]
-    sentence = errors[0]
-    assert sentence.rstrip().endswith(".") and sentence.count("; ") >= 1 or "(" in sentence, sentence
+    sentence = errors[0].rstrip()
+    assert sentence.endswith(".") and "; " in sentence, f"no fix after a semicolon: {sentence}"
+    assert names_the_field(sentence), f"no field named: {sentence}"
     for word in expected_words:
         assert word in sentence, f"{word!r} missing from: {sentence}"
     assert "Loading weights" not in result.stderr + result.stdout, "the check must come before the model loads"
-    assert folder_digest(output_dir) == before, "a refused run changes nothing in an existing output folder"
 
+
+@pytest.mark.parametrize("printed", [
+    "error: recipe.yaml: `lora_r: 0` is wrong (see the docs).",  # no fix: passed while `or "(" in sentence` was
+    "error: the value is wrong; fix it.",  # no field, no file
+    "error: recipe.yaml: `lora_r: 0` is wrong; fix it",  # no full stop
+])
+def test_the_refusal_check_wants_a_field_and_a_fix(printed):
+    result = subprocess.CompletedProcess([], 2, "", printed + "\n")
+    with pytest.raises(AssertionError):
+        check_refusal(result, ["wrong"], by_accelerate=False)
+    check_refusal(subprocess.CompletedProcess([], 2, "", "error: recipe.yaml: `lora_r: 0` is wrong; fix it.\n"),
+                  ["wrong"], by_accelerate=False)
 
 
 @pytest.mark.parametrize("arguments, message", [
@@ -420,6 +476,7 @@ def test_generate_refuses_a_bad_prompts_file_or_out_folder_before_loading_a_mode
     assert f"{bad}: line 2 is not UTF-8 text" in capsys.readouterr().err
 
 
+@pytest.mark.launches  # mount
 def test_an_output_folder_on_a_read_only_disk_is_refused_before_loading(tmp_path, capfd, monkeypatch):
     """A read-only tmpfs where mounting is allowed (root, as in CI), else os.access answering as on one."""
     disk = tmp_path / "ro"

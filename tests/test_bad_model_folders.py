@@ -304,6 +304,7 @@ def test_training_from_a_bad_model_folder_is_one_sentence_before_loading(case, f
     check_bad_input((name, lambda tmp: arguments, expected_words), tmp_path, capfd, monkeypatch)
 
 
+@pytest.mark.launches
 def test_the_console_command_reads_a_pipe_that_is_not_utf8_as_one_sentence(folders, tmp_path):
     """The real `finetune chat` with a byte that is not UTF-8 on its stdin, as `printf 'hi\\xff\\n' |` gives it."""
     with open(write_bytes(tmp_path / "latin1.txt", b"hi\xff\n"), "rb") as stdin:

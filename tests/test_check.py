@@ -16,14 +16,14 @@ def checked(capsys, *arguments):
 
 def test_a_recipe_with_three_problems_gets_all_three_in_one_check(tmp_path, capsys):
     recipe = tmp_path / "three.yaml"
-    recipe.write_text(RECIPE.read_text() + "activation_memory_budget: 2\nlora_target_parameters: [mlp.experts.down_proj]\n"
-                      "weight_decay: -1\n")
-    code, errors, _ = checked(capsys, "--config", str(recipe), "--tiny", "--output_dir", str(tmp_path / "out"))
+    recipe.write_text(RECIPE.read_text() + "lora_target_parameters: [mlp.experts.down_proj]\nweight_decay: -1\n")
+    code, errors, _ = checked(capsys, "--config", str(recipe), "--tiny", "--output_dir", str(tmp_path / "out"),
+                              "--report_to", "wandbx")
     assert code == 2
     assert len(errors) == 3, errors
-    assert "`activation_memory_budget: 2.0`" in errors[0]
-    assert "`lora_target_parameters` adapts mixture-of-experts weights" in errors[1]
-    assert "`weight_decay: -1" in errors[2]
+    assert "`lora_target_parameters` adapts mixture-of-experts weights" in errors[0]
+    assert "`weight_decay: -1" in errors[1]
+    assert "`report_to: wandbx`" in errors[2]
     assert not (tmp_path / "out").exists()
 
 
@@ -32,9 +32,8 @@ def test_a_run_stops_at_the_first_of_the_same_problems(tmp_path):
     from finetune.sft import configure
 
     recipe = tmp_path / "three.yaml"
-    recipe.write_text(RECIPE.read_text() + "activation_memory_budget: 2\nlora_target_parameters: [mlp.experts.down_proj]\n"
-                      "weight_decay: -1\n")
-    with pytest.raises(UserError, match="`activation_memory_budget: 2.0`"):
+    recipe.write_text(RECIPE.read_text() + "lora_target_parameters: [mlp.experts.down_proj]\nweight_decay: -1\n")
+    with pytest.raises(UserError, match="`lora_target_parameters` adapts mixture-of-experts weights"):
         configure(["--config", str(recipe), "--tiny", "--output_dir", str(tmp_path / "out")])
 
 

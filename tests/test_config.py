@@ -24,6 +24,7 @@ def run_sft(*args: str, launcher: tuple[str, ...] = (sys.executable,)) -> subpro
 
 
 
+@pytest.mark.launches
 def test_a_refusal_in_a_real_process_is_one_line_and_exit_code_2(tmp_path):
     result = run_sft("--config", str(LLAMA_FULL), "--tiny", "--learning_rat", "1", "--output_dir", str(tmp_path / "out"))
     assert result.returncode == 2 and "Traceback" not in result.stderr
@@ -42,6 +43,7 @@ def test_output_dir_holding_foreign_files_is_refused_and_left_untouched(tmp_path
     assert folder_digest(output_dir) == before
 
 
+@pytest.mark.launches
 def test_output_dir_of_another_run_is_refused_and_left_untouched(tmp_path, capfd, monkeypatch):
     output_dir = tmp_path / "out"
     first = run_sft("--config", str(LLAMA_LORA), "--tiny", "--output_dir", str(output_dir), "--max_steps", "1",
@@ -54,6 +56,7 @@ def test_output_dir_of_another_run_is_refused_and_left_untouched(tmp_path, capfd
     assert folder_digest(output_dir) == before
 
 
+@pytest.mark.launches
 def test_qlora_under_a_sharding_config_is_refused_by_the_real_launcher(tmp_path):
     result = run_sft(
         "--config", str(QLORA), "--tiny", "--output_dir", str(tmp_path / "out"),
@@ -131,15 +134,24 @@ NUMBERS_REFUSED_BEFORE_LOADING = [
     # (flags, the words of the one sentence): each ended in a traceback after loading, or trained something else
     (["--max_steps", "0"], "`max_steps: 0` must be above 0, or -1 to train num_train_epochs"),
     (["--max_steps", "-5"], "`max_steps: -5` must be above 0"),
-    (["--warmup_steps", "nan"], "`warmup_steps: nan` must be 0 or more"),
+    (["--warmup_steps", "nan"], "`warmup_steps: nan` must be a finite number"),
     (["--weight_decay", "nan"], "`weight_decay: nan` must be a finite number"),
-    (["--max_grad_norm", "nan"], "`max_grad_norm: nan` must be 0 or more"),
+    (["--max_grad_norm", "nan"], "`max_grad_norm: nan` must be a finite number"),
     (["--max_grad_norm", "-1"], "`max_grad_norm: -1.0` must be 0 or more"),
     (["--eval_samples_before_after", "-1"], "`eval_samples_before_after: -1` must be 0"),
-    (["--adam_epsilon", "-1"], "`adam_epsilon: -1.0` must be a finite number above 0"),
+    (["--adam_epsilon", "-1"], "`adam_epsilon: -1.0` must be above 0"),
     (["--adam_beta2", "1"], "`adam_beta2: 1.0` is a decay rate"),
     (["--dataset_num_proc", "-1"], "`dataset_num_proc: -1` must be at least 1"),
     (["--logging_steps", "-1"], "`logging_steps: -1.0` must be above 0"),
+    # issue 37: tracebacks after loading, or silently kept, before every numeric field had a range
+    (["--seed", "-5"], "`seed: -5` seeds numpy"),
+    (["--dataloader_num_workers", "-1"], "`dataloader_num_workers: -1` must be 0"),
+    (["--eval_accumulation_steps", "0"], "`eval_accumulation_steps: 0` must be a whole number of at least 1"),
+    (["--logging_steps", "nan"], "`logging_steps: nan` must be a finite number"),
+    (["--save_steps", "inf"], "`save_steps: inf` must be a finite number"),
+    (["--save_total_limit", "-3"], "`save_total_limit: -3` must be at least 1"),
+    (["--save_total_limit", "0"], "`save_total_limit: 0` must be at least 1"),
+    (["--label_smoothing_factor", "2"], "`label_smoothing_factor: 2.0` is a probability"),
     (["--lr_scheduler_kwargs", "power"], "`lr_scheduler_kwargs: power` must be a mapping"),
     (["--lr_scheduler_kwargs", "{power: 2}"], "--lr_scheduler_kwargs {power: 2} is not valid JSON"),
     (["--lr_scheduler_kwargs={power: 2}"], "--lr_scheduler_kwargs {power: 2} is not valid JSON"),

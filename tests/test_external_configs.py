@@ -320,6 +320,7 @@ def test_the_setup_line_names_what_is_offloaded_and_the_optimizer_inside_its_wra
     assert trainer._optimizer_name(trainer._innermost(zero_wrapped, "optimizer")) == "AdamW"
 
 
+@pytest.mark.launches
 def test_trls_single_gpu_file_trains_one_process_and_says_what_it_ignored(tmp_path):
     """The real launcher: the training process finds its launcher's file, says that `num_processes: 8` is ignored,
     and its setup line names the optimizer and the schedule that run (the recipe's)."""
@@ -339,6 +340,7 @@ def test_trls_single_gpu_file_trains_one_process_and_says_what_it_ignored(tmp_pa
     assert (output_dir / "model.safetensors").is_file()
 
 
+@pytest.mark.launches
 def test_finetune_launch_exits_143_for_a_run_a_sigterm_stopped_whatever_its_launcher_returned():
     """accelerate 1.15 exits 1 once its torchrun re-raises a SIGTERM, and 1.15-1.16 exit 1 when only the training
     processes got it; a training process stopped by SIGTERM writes so in its outcome (finetune/outcome.py), which
@@ -352,6 +354,7 @@ def test_finetune_launch_exits_143_for_a_run_a_sigterm_stopped_whatever_its_laun
     assert launcher.run_and_report([sys.executable, "-c", "raise SystemExit(1)"]) == (1, None, None)
 
 
+@pytest.mark.launches
 @pytest.mark.parametrize(("config_file", "strategy"), [
     (TRL / "multi_gpu.yaml", "ddp"), (TRL / "fsdp2.yaml", "fsdp"), (TRL / "zero3.yaml", "zero3")],
     ids=["TRL multi_gpu", "TRL fsdp2", "TRL zero3"])

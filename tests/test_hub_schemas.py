@@ -96,6 +96,7 @@ def test_a_hub_dataset_trains_the_conversation_it_holds(name, split, count, inde
     assert train[index] == expected
 
 
+@pytest.mark.launches
 def test_the_columns_trl_sees_are_the_same_whatever_the_hash_seed():
     """TRL tells a row's format apart with `set.pop()` over its columns (trl.data_utils.is_conversational):
     ultrachat_200k's `prompt` beside `messages` made a run's outcome depend on PYTHONHASHSEED, so only the

@@ -159,7 +159,7 @@ def check_request(request: LaunchRequest, processes: int) -> list[str]:
             beside.append("mixed_precision")
         if beside:
             raise fields_beside_deepspeed_file_refusal(request.source, deepspeed_file, beside)
-        _check_deepspeed_json(deepspeed_file, request.source)
+        check_deepspeed_json(read_deepspeed_config(deepspeed_file, request.source), deepspeed_file)
     elif kind == "DEEPSPEED":
         _check_zero_stage(request.value("zero_stage"), request.written("zero_stage"), request.source)
     return notes
@@ -185,17 +185,51 @@ def _check_zero_stage(stage, written: str, source: str) -> None:
                         f"model has loaded); use 2 or 3, as accelerate_configs/zero2.yaml and zero3.yaml do.")
 
 
-def _check_deepspeed_json(file: str, source: str) -> None:
-    """What a DeepSpeed JSON asks for that DeepSpeed would fail on after the model has loaded, or that this toolkit
-    does not run (AutoTP's tensor parallelism)."""
-    values = read_deepspeed_config(file, source)  # an object with a zero_optimization object, or refused
+def check_deepspeed_json(values: dict, file: str) -> None:
+    """What a DeepSpeed JSON (read by read_deepspeed_config: an object with a zero_optimization object) asks for that
+    DeepSpeed would fail on after the model has loaded, or that this toolkit does not run (AutoTP's tensor
+    parallelism)."""
     zero = values["zero_optimization"]
     _check_zero_stage(zero.get("stage"), f"`zero_optimization.stage: {json.dumps(zero.get('stage'))}`", file)
+    if "bfloat16" in values:
+        raise UserError(f"{file}: `bfloat16` is DeepSpeed's old name of the `bf16` block, which transformers fills "
+                        f"from the recipe only under its current name (an \"auto\" left there fails after loading); "
+                        f"rename it to `bf16`.")
+    _check_zero_fields(zero, file)
+    for offload in ("offload_optimizer", "offload_param"):
+        if isinstance(zero.get(offload), dict) and zero[offload].get("device") == "nvme" and not _async_io_loads():
+            raise UserError(f"{file}: `zero_optimization.{offload}.device: nvme` needs DeepSpeed's async_io op, "
+                            f"which cannot load here (libaio missing: `apt install libaio-dev`, then reinstall "
+                            f"deepspeed); offload to `cpu` instead.")
     tensor_parallel = values.get("tensor_parallel")
     size = tensor_parallel.get("autotp_size", 1) if isinstance(tensor_parallel, dict) else 1
     if not isinstance(size, int) or size > 1:
         raise UserError(f"{file}: `tensor_parallel.autotp_size: {size}` asks for DeepSpeed's tensor parallelism "
                         f"(AutoTP), which this toolkit does not run; remove the tensor_parallel block.")
+
+
+def _check_zero_fields(zero: dict, file: str) -> None:
+    """`zero_optimization` read by DeepSpeed's own config model (its keys and their types), where DeepSpeed imports
+    on this machine; DeepSpeed would otherwise refuse it only once the model is loaded."""
+    try:
+        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+        from pydantic import ValidationError
+    except ImportError:  # no DeepSpeed here: the launch fails on that itself
+        return
+    try:
+        DeepSpeedZeroConfig(**zero)
+    except ValidationError as error:
+        problem = error.errors()[0]
+        where = ".".join(str(part) for part in problem["loc"])
+        fix = "remove it or fix its spelling" if problem["type"] == "extra_forbidden" else "fix its value"
+        raise UserError(f"{file}: `zero_optimization.{where}` {problem['msg'].lower()} (DeepSpeed's config model); "
+                        f"{fix}.") from None
+
+
+def _async_io_loads() -> bool:
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    return AsyncIOBuilder().is_compatible(verbose=False)
 
 
 def _one_process_launch(request: LaunchRequest, kind: str) -> list[str]:

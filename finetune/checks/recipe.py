@@ -65,10 +65,10 @@ def check_quantization(run, source: str) -> None:
     model = run.model
     if model.load_in_4bit and model.load_in_8bit:
         raise UserError(f"{source}: `load_in_4bit` and `load_in_8bit` are both true; keep one of them.")
-    strategy = requested_strategy()
+    strategy, strategy_source = strategy_asked(run)
     if model.load_in_4bit and strategy in ("fsdp", "zero3"):
         raise UserError(
-            f"{accelerate_config_file()}: QLoRA's 4-bit weights cannot be "
+            f"{strategy_source}: QLoRA's 4-bit weights cannot be "
             f"sharded by {strategy.upper()} here; launch with accelerate_configs/ddp.yaml or zero2.yaml instead."
         )
     check_mxfp4(run, source)
@@ -84,9 +84,6 @@ def check_expert_targets(run, source: str) -> None:
 
 
 def check_memory_settings(run, source: str) -> None:
-    if not 0 < run.finetune.activation_memory_budget <= 1:
-        raise UserError(f"{source}: `activation_memory_budget: {run.finetune.activation_memory_budget}` is the "
-                        f"fraction of a compiled layer's activations it may keep; give a value above 0 and at most 1.")
     if run.training.activation_offloading and cpu.on_cpu():  # a recipe's value is already off (cpu.cpu_overrides)
         raise UserError("command line: `--activation_offloading true` moves activations out of GPU memory and this "
                         "machine has no GPU; drop the flag here.")
@@ -262,14 +259,44 @@ DEEPSPEED_UNSET = {"gradient_accumulation_steps": 1}
 DEEPSPEED_BLOCKS = {"optimizer": "optim", "scheduler": "lr_scheduler_type"}
 
 
+def deepspeed_config_asked(run) -> tuple[str, dict] | None:
+    """The DeepSpeed JSON the run asks for and where it is named, whichever way it arrives: an accelerate config's
+    deepspeed_config_file, or transformers' own `deepspeed` training argument (a flag or a recipe key: a file's path,
+    or the JSON itself as a mapping), which transformers reads without the launcher's checks."""
+    if asked_deepspeed_file():
+        return asked_deepspeed_file(), read_deepspeed_config(asked_deepspeed_file())
+    asked = run.training.deepspeed
+    if not asked:
+        return None
+    source = run.recipe_path or "command line"
+    if isinstance(asked, dict):
+        if not isinstance(asked.get("zero_optimization"), dict):
+            raise UserError(f"{source}: `deepspeed` has no `zero_optimization` object, which accelerate requires; add "
+                            f"zero_optimization: {{stage: 2}} (or the stage you want) under it.")
+        return f"{source} (`deepspeed`)", asked
+    return asked, read_deepspeed_config(asked, source, field="`deepspeed`")
+
+
+def strategy_asked(run) -> tuple[str, str]:
+    """What the launch asks for (fsdp, zero1-3, ddp or single) and the file or field that asks for it: transformers'
+    `deepspeed` training argument, when the launcher asks for no DeepSpeed of its own, else the accelerate config."""
+    asked = deepspeed_config_asked(run)
+    if asked and not asked_deepspeed_file():
+        return f"zero{asked[1]['zero_optimization'].get('stage', 0)}", asked[0]
+    return requested_strategy(), accelerate_config_file()
+
+
 def check_deepspeed_agrees(run) -> None:
-    """A DeepSpeed JSON that hard-codes what the recipe decides (batch size, accumulation, clipping, bf16/fp16, which
-    transformers compares only once the model is loaded), or brings an optimizer or a schedule of its own: every
-    contradiction at once, in one sentence naming both values."""
-    config_file = asked_deepspeed_file()
-    if not config_file:
+    """A DeepSpeed JSON, whichever way it arrives (deepspeed_config_asked), that asks for what this toolkit does not
+    run, hard-codes what the recipe decides (batch size, accumulation, clipping, bf16/fp16, which transformers compares
+    only once the model is loaded), or brings an optimizer or a schedule of its own: every contradiction at once, in
+    one sentence naming both values."""
+    asked = deepspeed_config_asked(run)
+    if asked is None:
         return
-    written = read_deepspeed_config(config_file)
+    config_file, written = asked
+    if not asked_deepspeed_file():  # the launcher's JSON is checked with its request (checks/launch.py)
+        accelerate_checks.check_deepspeed_json(written, config_file)
     deepspeed = {**DEEPSPEED_UNSET, **written}
     training = run.training
     values = [f"`{key}: {deepspeed[key]}`{'' if key in written else ' (left out: accelerate sets it)'} contradicts "

@@ -14,6 +14,7 @@ A run a SIGTERM stopped exits 143 (see `run_and_report`).
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import shlex
@@ -90,8 +91,10 @@ def check_accelerate_config(config_file: str) -> str:
     except ValueError as error:
         text = " ".join(str(error).split())
         if "unknown keys" in text:
-            keys = text.split("(", 1)[1].split(")", 1)[0]
-            raise UserError(f"{config_file}: unknown keys {keys}; remove them or fix their spelling.") from None
+            keys = ast.literal_eval(text.split("(", 1)[1].split(")", 1)[0])  # accelerate lists them as a Python list
+            named = ", ".join(f"`{key}`" for key in keys)
+            raise UserError(f"{config_file}: unknown {'keys' if len(keys) > 1 else 'key'} {named}; remove "
+                            f"{'them' if len(keys) > 1 else 'it'} or fix the spelling.") from None
         raise UserError(f"{config_file}: {text.rstrip('.')}; fix that field.") from None
     return config_file
 

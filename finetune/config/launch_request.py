@@ -15,10 +15,12 @@ LAUNCH_ARGUMENTS = "FINETUNE_LAUNCH_ARGUMENTS"
 
 def arguments_after_accelerate_launch(command: list[str]) -> list[str] | None:
     """What `command` gives `accelerate launch` (its flags, the script and the script's flags), or None when it is not
-    an `accelerate launch` command."""
+    an accelerate launcher: `accelerate launch`, the `accelerate-launch` console script accelerate installs beside it,
+    or `python -m accelerate.commands.launch`."""
     for index, arg in enumerate(command):
-        after_accelerate = index > 0 and Path(command[index - 1]).name.startswith("accelerate")
-        if arg == "accelerate.commands.launch" or arg == "launch" and after_accelerate:
+        after_accelerate = index > 0 and Path(command[index - 1]).name == "accelerate"
+        if arg == "accelerate.commands.launch" or Path(arg).name == "accelerate-launch" or \
+                arg == "launch" and after_accelerate:
             return command[index + 1:]
     return None
 
@@ -67,15 +69,16 @@ def fields_beside_deepspeed_file_refusal(config_file: str, deepspeed_file: str, 
         f"{'them' if len(fields) > 1 else 'it'} from that file, the JSON's \"auto\" values follow the recipe.")
 
 
-def read_deepspeed_config(config_file: str, accelerate_file: str | None = None) -> dict:
-    """The DeepSpeed JSON accelerate hands to DeepSpeed (named in `accelerate_file`, by default the launcher's), or a
-    UserError. In a DeepSpeed training process also the accelerate config fields the launcher exported beside it
-    (ACCELERATE_CONFIG_DS_FIELDS): accelerate refuses them with a message of its own when the training arguments are
-    built, which is after this is called."""
+def read_deepspeed_config(config_file: str, accelerate_file: str | None = None,
+                          field: str = "deepspeed_config_file") -> dict:
+    """The DeepSpeed JSON accelerate hands to DeepSpeed (named in `accelerate_file`, by default the launcher's, as
+    `field`; or in a recipe as transformers' own `deepspeed`), or a UserError. In a DeepSpeed training process also the
+    accelerate config fields the launcher exported beside it (ACCELERATE_CONFIG_DS_FIELDS): accelerate refuses them
+    with a message of its own when the training arguments are built, which is after this is called."""
     path = Path(local_or_shipped(config_file))
     if not path.is_file():
         raise UserError(
-            f"{accelerate_file or accelerate_config_file()}: deepspeed_config_file {config_file} not found; paths are "
+            f"{accelerate_file or accelerate_config_file()}: {field} {config_file} not found; paths are "
             f"relative to where you launch, so launch from the folder it is relative to (the project root for "
             f"accelerate_configs/*.yaml) or make it absolute."
         )

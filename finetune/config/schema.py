@@ -10,7 +10,7 @@ import functools
 import importlib.util
 from pathlib import Path
 
-# The dataclasses the run parses a recipe into (finetune/config.py: TRL's parser over these), each after the classes
+# The dataclasses the run parses a recipe into (finetune/run/arguments.py: TRL's parser over these), each after the classes
 # it inherits from, so that a later default wins as SFTConfig's wins over TrainingArguments'. Their defaults are read
 # from their source: importing SFTConfig imports torch and transformers, about 14 s against 0.2-0.3 s for the whole
 # plan (docs/planner.md). A file that another version of a library does not have is skipped.
@@ -19,7 +19,7 @@ RUN_DATACLASSES = (
     ("trl", "trainer/base_config.py", "_BaseConfig"),
     ("trl", "trainer/sft_config.py", "SFTConfig"),
     ("trl", "trainer/model_config.py", "ModelConfig"),
-    ("finetune", "config.py", "FinetuneArguments"),
+    ("finetune", "run/arguments.py", "FinetuneArguments"),
 )
 
 

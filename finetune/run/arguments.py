@@ -291,8 +291,11 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
                         f"`scripts/sft.py --help`.")
     if requested_strategy() == "fsdp" and os.environ.get("FSDP_VERSION", "1") != "2":
         raise UserError(f"{accelerate_config_file()}: {FSDP_V1_REFUSAL}")  # before the CPU shim builds FSDP1's plugin
+    values, _ = parser.parse_known_args(args=argv)  # as given, before the dataclasses' __post_init__ reads them
     if asked_deepspeed_file():
         read_deepspeed_config(asked_deepspeed_file())  # before TrainingArguments reads it and fails in its own words
+    elif isinstance(values.deepspeed, str) and not values.deepspeed.lstrip().startswith("{"):
+        read_deepspeed_config(values.deepspeed, recipe_path or "command line", field="`deepspeed`")  # likewise
     try:
         with cpu.cpu_environment() if cpu.on_cpu() else contextlib.nullcontext():
             script, training, model, finetune = parser.parse_args_into_dataclasses(args=argv)
@@ -302,8 +305,11 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
     except json.JSONDecodeError as error:  # a mapping field's JSON, read by the training arguments
         raise UserError(f"{recipe_path or 'command line'}: {_field_with_bad_json(argv, recipe)} is not valid JSON "
                         f"({error.msg}); write it as a JSON object, e.g. '{{\"key\": 1}}'.") from None
-    except ValueError as error:
+    except (ValueError, OverflowError) as error:
         source = recipe_path or "command line"
+        # the dataclasses' __post_init__ fails on some numbers out of range in its own words (`save_steps: inf`: an
+        # OverflowError); the ranges say which number and what to give (checks/recipe.py checks the built values)
+        numbers.check_ranges(lambda key: getattr(values, key, None), source)
         raise UserError(f"{source}: {one_sentence(error)}") from None
     if model.lora_target_parameters == ["none"]:  # a list flag cannot be emptied on the command line
         model.lora_target_parameters = None
