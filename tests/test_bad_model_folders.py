@@ -192,6 +192,18 @@ COMMAND_CASES = [
      ["cannot be created because", "a-file.txt is a file"]),
     ("merge: an output path that is a file", ["merge", "{adapter}", "{file}"], ["a file, not a folder"]),
     ("merge: an output folder that holds files", ["merge", "{adapter}", "{base}"], ["already holds files"]),
+    ("generate: --out an existing file, without --overwrite",
+     ["generate", "{base}", "--prompts", "{prompts}", "--out", "{file}"], ["a-file.txt: already exists", "--overwrite"]),
+    ("generate: --out the prompts file", ["generate", "{base}", "--prompts", "{prompts}", "--out", "{prompts}"],
+     ["prompts.txt: already exists", "--overwrite"]),
+    ("generate: --out the adapter's own weights, even with --overwrite",
+     ["generate", "{adapter}", "--prompts", "{prompts}", "--out", "{adapter}/adapter_model.safetensors", "--overwrite"],
+     ["adapter_model.safetensors: already exists in the model folder", "outside it"]),
+    ("eval: --report an existing file, without --overwrite",
+     ["eval", "{base}", "--dataset_name", "{rows}", "--report", "{file}"], ["a-file.txt: already exists", "--overwrite"]),
+    ("eval: --report a run's record, even with --overwrite",
+     ["eval", "{finished run}", "--dataset_name", "{rows}", "--report", "{finished run}/finetune_run.json",
+      "--overwrite"], ["finetune_run.json: already exists in the model folder"]),
 ]
 
 
@@ -243,6 +255,13 @@ def test_chat_names_the_stdin_line_that_is_not_utf8(folders, monkeypatch, capfd)
     sentence = refusal_after_loading(["chat", folders["base"], "--max_new_tokens", "2"], capfd)
     assert sentence == ("error: stdin: line 2 is not UTF-8 text; send UTF-8 (convert with iconv -t UTF-8, or set the "
                         "terminal's encoding to UTF-8).")
+
+
+def test_overwrite_replaces_an_existing_answers_file_outside_a_model_folder(folders, tmp_path, capfd):
+    out = write(tmp_path / "answers.jsonl", "earlier answers\n")
+    arguments = ["generate", folders["base"], "--prompts", folders["prompts"], "--out", str(out), "--max_new_tokens", "2"]
+    assert cli.main([*arguments, "--overwrite"]) == 0, capfd.readouterr().err[-3000:]
+    assert json.loads(out.read_text())["prompt"] == "Repeat: red fish"
 
 
 def refusal_after_loading(arguments: list[str], capfd) -> str:

@@ -4,13 +4,17 @@ run record of the original launch. No model loads here; tests/test_preemption_si
 learning rate and cadence and checks that they are applied."""
 
 import json
+import os
+import socket
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
+from finetune import run_folder as folder_files
 from finetune.checks import recipe as recipe_checks
+from finetune.checks import relaunch as relaunch_checks
 from finetune.checks import resume
 from finetune.checks.relaunch import run_identity
 from finetune.errors import UserError
@@ -84,7 +88,7 @@ def run_folder(tmp_path: Path, *extra: str) -> Path:
     save_file({"weight": torch.zeros(2)}, str(checkpoint / "adapter_model.safetensors"))
     write(checkpoint / "trainer_state.json", '{"global_step": 4}')
     write(checkpoint / "optimizer.pt", "state")
-    run_folder.write_marker(checkpoint, 4, 1)
+    folder_files.write_marker(checkpoint, 4, 1)
     return output_dir
 
 
@@ -138,7 +142,7 @@ def test_the_same_arguments_resume_silently_and_without_a_checkpoint_anything_ma
     relaunch(output_dir)
     assert "resuming from" not in capsys.readouterr().out
     for folder in output_dir.glob("checkpoint-*"):
-        (folder / run_folder.MARKER).unlink()  # no complete checkpoint: the relaunch starts over
+        (folder / folder_files.MARKER).unlink()  # no complete checkpoint: the relaunch starts over
     relaunch(output_dir, "--lora_r", "8", "--learning_rate", "1e-4")
 
 
@@ -152,14 +156,63 @@ def test_changed_training_rows_are_refused_once_they_load(tmp_path):
     def rows_of(path):
         return load_dataset("json", data_files=str(path), split="train")
 
-    relaunch.check_data_unchanged(run, rows_of(data))  # nothing recorded yet: it only takes the fingerprint
+    relaunch_checks.check_data_unchanged(run, rows_of(data))  # nothing recorded yet: it only takes the fingerprint
     record = json.loads((output_dir / RUN_RECORD).read_text())
     record["settings"]["data_fingerprint"] = run.data_fingerprint
     write(output_dir / RUN_RECORD, json.dumps(record))
     run = relaunch(output_dir, "--dataset_name", str(data))  # the record is read once, by the relaunch's checks
     copy = write(tmp_path / "restaged" / "train.jsonl", data.read_text())  # the same rows elsewhere still match
-    relaunch.check_data_unchanged(run, rows_of(copy))
+    relaunch_checks.check_data_unchanged(run, rows_of(copy))
     write(data, "\n".join(rows[:39] + [rows[41]]) + "\n")
     with pytest.raises(UserError) as refused:
-        relaunch.check_data_unchanged(run, rows_of(data))
+        relaunch_checks.check_data_unchanged(run, rows_of(data))
     assert "training rows changed since checkpoint-4" in str(refused.value), str(refused.value)
+
+
+def test_a_launch_into_a_folder_in_use_is_refused_naming_the_first_and_a_stale_lock_is_taken_over(tmp_path, capsys):
+    output_dir = run_folder(tmp_path)
+    first = os.getppid()  # a live process of this host that is not this launch
+    holder = {"pid": first, "host": socket.gethostname(), "launch": "another launch",
+              "started": folder_files._started(first), "since": "2026-01-01T00:00:00"}
+    write(output_dir / folder_files.LOCK, json.dumps(holder))
+    with pytest.raises(UserError) as refused:
+        relaunch(output_dir)
+    assert f"output_dir is in use by another launch (pid {first} on {socket.gethostname()}" in str(refused.value)
+    with pytest.raises(UserError):
+        folder_files.take_lock(output_dir)
+    write(output_dir / folder_files.LOCK, json.dumps({**holder, "started": "0"}))  # that pid is another process now
+    relaunch(output_dir)
+    folder_files.take_lock(output_dir)
+    assert "is gone; taking the folder over" in capsys.readouterr().out
+    assert json.loads((output_dir / folder_files.LOCK).read_text())["pid"] == os.getpid()
+    folder_files.release_lock(output_dir)
+    assert not (output_dir / folder_files.LOCK).exists()
+
+
+def with_adapter_config(checkpoint: Path, **settings) -> None:
+    write(checkpoint / "adapter_config.json", json.dumps(
+        {"r": 16, "lora_alpha": 32, "use_rslora": False, "use_dora": False, "lora_dropout": 0.05, **settings}))
+    folder_files.write_marker(checkpoint, 4, 1)
+
+
+def test_a_run_record_cut_short_still_compares_the_checkpoints_own_adapter_config(tmp_path):
+    output_dir = run_folder(tmp_path)
+    with_adapter_config(output_dir / "checkpoint-4")
+    (output_dir / RUN_RECORD).write_text('{"model_name_or_path": "meta-ll')
+    relaunch(output_dir)
+    with pytest.raises(UserError) as refused:
+        relaunch(output_dir, "--lora_alpha", "64")
+    assert "`lora_alpha` (32 -> 64)" in str(refused.value), str(refused.value)
+
+
+@pytest.mark.parametrize("record", ["kept", "gone"])
+def test_a_checkpoint_of_another_run_folder_is_compared_with_that_run(record, tmp_path):
+    other = run_folder(tmp_path / "other", "--lora_r", "8")
+    with_adapter_config(other / "checkpoint-4", r=8)
+    if record == "gone":
+        (other / RUN_RECORD).unlink()
+    resumed = ["--resume_from_checkpoint", str(other / "checkpoint-4")]
+    with pytest.raises(UserError) as refused:
+        relaunch(tmp_path / "new", *resumed)
+    assert "`lora_r` (8 -> 16)" in str(refused.value), str(refused.value)
+    relaunch(tmp_path / "new", *resumed, "--lora_r", "8")

@@ -53,6 +53,13 @@ CHANGEABLE = (
 )
 
 
+# What a checkpoint's own files say of the launch that wrote it, by the name the run record gives each field: peft's
+# adapter_config.json for the adapter, the Trainer's trainer_state.json for the batch.
+ADAPTER_CONFIG_FIELDS = {"r": "lora_r", "lora_alpha": "lora_alpha", "use_rslora": "use_rslora", "use_dora": "use_dora",
+                         "lora_dropout": "lora_dropout", "target_parameters": "lora_target_parameters"}
+TRAINER_STATE_FIELDS = {"train_batch_size": "per_device_train_batch_size"}
+
+
 FINGERPRINT_ROWS = 1000  # rows hashed, evenly spaced: a re-staged copy of the same file matches, an edited one not
 
 
@@ -79,6 +86,29 @@ def _value(run, name: str):
 def settings(run) -> dict:
     """What the run record keeps of a launch, for the next relaunch to compare with."""
     return {name: _plain(_value(run, name)) for name in (*FIXED, *SCHEDULE, *CHANGEABLE)}
+
+
+def _json_file(path: Path) -> dict:
+    try:
+        found = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
+def checkpoint_settings(checkpoint: Path) -> dict:
+    """The settings a checkpoint's own files hold: whether it is an adapter (adapter_config.json) or a full model
+    (config.json), the adapter's shape and scale, and the per-device batch."""
+    found = {}
+    adapter = _json_file(checkpoint / "adapter_config.json")
+    if adapter:
+        found["use_peft"] = True
+        found |= {name: _plain(adapter[key]) for key, name in ADAPTER_CONFIG_FIELDS.items() if key in adapter}
+    elif (checkpoint / "config.json").is_file():
+        found["use_peft"] = False
+    state = _json_file(checkpoint / "trainer_state.json")
+    found |= {name: state[key] for key, name in TRAINER_STATE_FIELDS.items() if key in state}
+    return found
 
 
 def data_fingerprint(dataset) -> str:
