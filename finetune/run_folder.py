@@ -202,15 +202,15 @@ def write_final_marker(output_dir: str | Path, step: int, length: dict) -> None:
     write_atomically(folder / FINAL_MARKER, json.dumps(marker, indent=1) + "\n")
 
 
-def finished_step(output_dir: str | Path, length: dict) -> int | None:
-    """The step at which this run finished, when its final model is complete and it is relaunched to train as long
-    as before; None when there is training or a final save left to do."""
+def finished_step(output_dir: str | Path, length: dict | None = None) -> int | None:
+    """The step at which this run finished, when its final model is complete (and, given `length`, it is relaunched
+    to train as long as before); None when there is training or a final save left to do."""
     try:
         marker = json.loads((Path(output_dir) / FINAL_MARKER).read_text())
         files, step = marker["files"], int(marker["step"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    if marker.get("length") != length or _listed_files_problem(Path(output_dir), files):
+    if (length is not None and marker.get("length") != length) or _listed_files_problem(Path(output_dir), files):
         return None
     return step
 

@@ -5,6 +5,7 @@ learning rate and cadence and checks that they are applied."""
 
 import json
 import os
+import shutil
 import socket
 from pathlib import Path
 
@@ -16,11 +17,11 @@ from finetune import run_folder as folder_files
 from finetune.checks import recipe as recipe_checks
 from finetune.checks import relaunch as relaunch_checks
 from finetune.checks import resume
-from finetune.checks.relaunch import run_identity
-from finetune.errors import UserError
+from finetune.checks.relaunch import run_identity, training_length
+from finetune.errors import RunFinished, UserError
 from finetune.run.arguments import parse_args
 from finetune.run_folder import RUN_RECORD
-from tests.helpers import ROOT, write
+from tests.helpers import ROOT, folder_digest, write
 
 LORA = ["--config", str(ROOT / "recipes" / "llama-3.2-1b" / "lora.yaml"), "--tiny"]
 
@@ -216,3 +217,39 @@ def test_a_checkpoint_of_another_run_folder_is_compared_with_that_run(record, tm
         relaunch(tmp_path / "new", *resumed)
     assert "`lora_r` (8 -> 16)" in str(refused.value), str(refused.value)
     relaunch(tmp_path / "new", *resumed, "--lora_r", "8")
+
+
+def finished_without_checkpoints(tmp_path: Path) -> Path:
+    """A run that finished at step 4 with `save_strategy: no`: its final model and marker, no checkpoint."""
+    output_dir = run_folder(tmp_path)
+    for folder in output_dir.glob("checkpoint-*"):
+        shutil.rmtree(folder)
+    save_file({"weight": torch.ones(2)}, str(output_dir / "adapter_model.safetensors"))
+    run = parse_args([*LORA, "--output_dir", str(output_dir)])
+    folder_files.write_final_marker(output_dir, 4, training_length(run.training))
+    return output_dir
+
+
+def test_training_on_a_finished_run_without_a_checkpoint_is_refused_unless_asked_and_then_said(tmp_path, capsys):
+    output_dir = finished_without_checkpoints(tmp_path)
+    with pytest.raises(RunFinished) as finished:
+        relaunch(output_dir)
+    assert "no checkpoint to train on from" in str(finished.value) and "raise --max_steps" not in str(finished.value)
+    before = folder_digest(output_dir)
+    with pytest.raises(UserError) as refused:
+        relaunch(output_dir, "--max_steps", "20")
+    sentence = str(refused.value)
+    assert "holds this run's final model (step 4) and no checkpoint" in sentence, sentence
+    assert "--replace_finished_model true" in sentence and sentence.count(". ") == 0, sentence
+    relaunch(output_dir, "--max_steps", "20", "--replace_finished_model", "true")
+    assert "training from step 0 as asked" in capsys.readouterr().out
+    assert folder_digest(output_dir) == before
+
+
+def test_a_finished_run_with_a_checkpoint_is_told_to_raise_max_steps(tmp_path):
+    output_dir = run_folder(tmp_path)
+    run = parse_args([*LORA, "--output_dir", str(output_dir)])
+    folder_files.write_final_marker(output_dir, 4, training_length(run.training))
+    with pytest.raises(RunFinished) as finished:
+        relaunch(output_dir)
+    assert "raise --max_steps to train on from its last checkpoint" in str(finished.value)

@@ -50,7 +50,9 @@ def check_output_dir(run) -> None:
     if output_dir.is_dir() and any(path.name != run_folder.LOCK for path in output_dir.iterdir()):
         _check_run_in_folder(run, output_dir)
     run.resumes_from = resume_checkpoint(run)
-    if run.resumes_from is not None:
+    if run.resumes_from is None:
+        check_finished_model_kept(run, output_dir)
+    else:
         run.recorded_settings = settings_of_checkpoint(run.resumes_from, output_dir, run.recorded_settings)
         if run.recorded_settings:
             resume.check_relaunch(run, run.recorded_settings, run.resumes_from, output_dir)
@@ -79,8 +81,24 @@ def _check_run_in_folder(run, output_dir: Path) -> None:
         )
     step = run_folder.finished_step(output_dir, training_length(run.training))
     if step is not None:
-        raise RunFinished(str(output_dir), step)
+        raise RunFinished(str(output_dir), step, run_folder.newest_complete(output_dir) is not None)
     run.recorded_settings = recorded.get("settings") if isinstance(recorded.get("settings"), dict) else {}
+
+
+def check_finished_model_kept(run, output_dir: Path) -> None:
+    """A finished run relaunched to train longer with no checkpoint to continue from would train from step 0 and
+    replace its final model: refused, unless asked for, and then said."""
+    finished = run_folder.finished_step(output_dir)
+    if finished is None:
+        return
+    if not run.finetune.replace_finished_model:
+        raise UserError(
+            f"{output_dir}: output_dir holds this run's final model (step {finished}) and no checkpoint to train on "
+            f"from (save_strategy), so this relaunch would train from step 0 and replace it; pick a new --output_dir, "
+            f"or add --replace_finished_model true to train again from the start."
+        )
+    say(f"{output_dir}: no checkpoint to train on from, so training from step 0 as asked "
+        f"(--replace_finished_model); its final model of step {finished} is replaced when this run saves.")
 
 
 def settings_of_checkpoint(checkpoint: Path, output_dir: Path, recorded: dict) -> dict:
