@@ -8,6 +8,7 @@ from pathlib import Path
 
 from finetune.commands.options import add_model_arguments, add_overwrite, check_writable_file, whole_number
 from finetune.errors import UserError, say
+from finetune.run_folder import recorded_run
 
 
 def _run_eval(args: argparse.Namespace, extra: list[str]) -> int:
@@ -31,7 +32,9 @@ def _run_eval(args: argparse.Namespace, extra: list[str]) -> int:
     scores = {}
     for name, checked in zip(names, loadable):
         model, tokenizer = inference.load_checked(checked)
-        scores[name] = evaluation.score(model, tokenizer, conversations, args.batch_size, args.max_new_tokens)
+        max_length = recorded_run(name).get("settings", {}).get("max_length")  # a run's rows were cut to it
+        scores[name] = evaluation.score(model, tokenizer, conversations, args.batch_size, args.max_new_tokens,
+                                        max_length, source=args.dataset_name)
         del model
     answers = {name: result.pop("answers") for name, result in scores.items()}
     Path(report_file).write_text(json.dumps({

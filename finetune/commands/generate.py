@@ -16,7 +16,8 @@ def _run_generate(args: argparse.Namespace, extra: list[str]) -> int:
     check_writable_file(args.out, "--out", args.overwrite)
     model, tokenizer = inference.load_trained(args.output_dir, args.base, args.device)
     generation = inference.generation_kwargs(args.temperature, args.top_p, args.max_new_tokens)
-    answers = inference.generate_answers(model, tokenizer, [turns for _, turns in prompts], args.batch_size, **generation)
+    answers = inference.generate_answers(model, tokenizer, [turns for _, turns in prompts], args.batch_size,
+                                         source=args.prompts, **generation)
     with open(args.out, "w", encoding="utf-8") as out:
         out.writelines(json.dumps({**row, "answer": answer}, ensure_ascii=False) + "\n"
                        for (row, _), answer in zip(prompts, answers))

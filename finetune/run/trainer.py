@@ -176,7 +176,8 @@ def build_trainer(run: RunConfig, model: PreTrainedModel, tokenizer, train_set, 
     trainer.add_callback(setup_check)
     if tracking.wanted(run.training):
         trainer.add_callback(tracking.MlflowRecord(run, setup_check))
-    scores = evaluation.before_after_callback(eval_set, run.finetune.eval_samples_before_after, tokenizer)
+    scores = evaluation.before_after_callback(eval_set, run.finetune.eval_samples_before_after, tokenizer,
+                                                run.training.max_length)
     if scores is not None:
         trainer.add_callback(scores)
     return trainer
