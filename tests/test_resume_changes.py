@@ -253,3 +253,50 @@ def test_a_finished_run_with_a_checkpoint_is_told_to_raise_max_steps(tmp_path):
     with pytest.raises(RunFinished) as finished:
         relaunch(output_dir)
     assert "raise --max_steps to train on from its last checkpoint" in str(finished.value)
+
+
+def test_training_on_past_the_end_of_a_schedule_starts_a_new_one_over_the_new_steps(tmp_path, capsys):
+    """The old cosine ended at rate 0 at step 6; the Trainer's scheduler, rebuilt over 9 steps, would have the first
+    new step train at the optimizer's saved rate 0 (6 -> 7 steps left the adapter bit-identical)."""
+    from transformers import TrainerState, get_scheduler
+
+    args = parse_args([*LORA, "--output_dir", str(tmp_path / "out")]).training
+    optimizer = torch.optim.SGD([{"params": [torch.nn.Parameter(torch.zeros(1))]},  # decayed and not, as the Trainer's
+                                 {"params": [torch.nn.Parameter(torch.zeros(1))]}], lr=args.learning_rate)
+    scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=0, num_training_steps=6)
+    for _ in range(6):
+        optimizer.step()
+        scheduler.step()
+    assert optimizer.param_groups[0]["lr"] == 0
+    checkpoint = write(tmp_path / "checkpoint-6" / "trainer_state.json", json.dumps({"global_step": 6, "max_steps": 6}))
+    start = resume.schedule_start(checkpoint.parent)
+    assert start == 6
+    saved = scheduler.state_dict()
+    scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=0, num_training_steps=9)  # as the Trainer builds it
+    scheduler.load_state_dict(saved)
+    optimizer.param_groups[0]["lr"] = 0.0  # as the checkpoint's optimizer state loads it
+    state = TrainerState(global_step=6, max_steps=9)
+    callback = resume.ResumedRun(False, args.learning_rate, start)
+    callback.on_train_begin(args, state, None, optimizer=optimizer, lr_scheduler=scheduler)
+    rates = [optimizer.param_groups[0]["lr"]]
+    for _ in range(2):
+        scheduler.step()
+        rates.append(optimizer.param_groups[0]["lr"])
+    assert rates == pytest.approx([args.learning_rate, 0.75 * args.learning_rate, 0.25 * args.learning_rate])
+    assert "a new cosine schedule over steps 7-9, without warmup, instead of its end's rate 0" in capsys.readouterr().out
+    kept = write(tmp_path / "checkpoint-8" / "trainer_state.json", json.dumps(
+        {"global_step": 8, "max_steps": 9, "stateful_callbacks": {"ResumedRun": callback.state()}}))
+    assert resume.schedule_start(kept.parent) == 6  # a later resume goes on with the new schedule
+
+
+def test_a_warmup_covering_the_whole_run_is_said(tmp_path, capsys):
+    from transformers import TrainerState
+
+    from finetune.run.trainer import WarmupNotice
+
+    args = parse_args([*LORA, "--output_dir", str(tmp_path / "out")]).training  # warmup_steps 0.03: 1 step of 1
+    WarmupNotice().on_train_begin(args, TrainerState(global_step=0, max_steps=1), None)
+    assert "covering all 1 steps of this run: its first step trains at learning rate 0 and it trains nothing" in \
+        capsys.readouterr().out
+    WarmupNotice().on_train_begin(args, TrainerState(global_step=0, max_steps=40), None)
+    assert capsys.readouterr().out == ""

@@ -22,6 +22,7 @@ import os
 from pathlib import Path
 
 from transformers import TrainerCallback
+from transformers.trainer_callback import ExportableState
 
 from finetune.errors import UserError, say
 
@@ -170,26 +171,76 @@ class NothingLeftToTrain(Exception):
     """The checkpoint resumed from is at max_steps (its final save was cut short): nothing is left to train."""
 
 
-class ResumedRun(TrainerCallback):
+def schedule_start(checkpoint: Path | None) -> int | None:
+    """The step a new schedule starts from when resuming `checkpoint`: its own step when the schedule that wrote it
+    had ended there (a finished run trained on), the start a run trained on that way recorded, else None (the
+    checkpoint's own schedule goes on)."""
+    if checkpoint is None:
+        return None
+    state = _json_file(checkpoint / "trainer_state.json")
+    step, ended_at = state.get("global_step"), state.get("max_steps")
+    if isinstance(step, int) and isinstance(ended_at, int) and 0 < ended_at <= step:
+        return step
+    recorded = (state.get("stateful_callbacks") or {}).get(ResumedRun.__name__) or {}
+    return (recorded.get("args") or {}).get("schedule_start")
+
+
+class ResumedRun(TrainerCallback, ExportableState):
     """On a resumed run: the new logging/eval/save cadence, and with --resume_with_new_schedule the new learning rate
     (the scheduler's lambdas already follow the new arguments; its base rates and the groups' rates come from the
-    checkpoint). A run resumed at max_steps stops before the step the Trainer would otherwise train past it (its loop
-    checks max_steps only after a step)."""
+    checkpoint). A run trained on past the end of its schedule gets a new schedule over the new steps (the old one
+    ended at rate 0, where the first new step would train; its start is kept in each checkpoint's trainer_state.json
+    for a later resume). A run resumed at max_steps stops before the step the Trainer would otherwise train past it
+    (its loop checks max_steps only after a step)."""
 
-    def __init__(self, new_schedule: bool, learning_rate: float):
+    def __init__(self, new_schedule: bool, learning_rate: float, schedule_start: int | None = None):
         self.new_schedule = new_schedule
         self.learning_rate = learning_rate
+        self.schedule_start = schedule_start
+
+    def state(self) -> dict:
+        return {"args": {"new_schedule": self.new_schedule, "learning_rate": self.learning_rate,
+                         "schedule_start": self.schedule_start}, "attributes": {}}
 
     def on_train_begin(self, args, state, control, optimizer=None, lr_scheduler=None, **kwargs):
         if state.global_step == 0:
             return
         state.compute_steps(args, state.max_steps)
-        if self.new_schedule and optimizer is not None and lr_scheduler is not None:
+        if optimizer is None or lr_scheduler is None:
+            return
+        if self.schedule_start is not None and state.max_steps > self.schedule_start:
+            start_new_schedule(args, optimizer, lr_scheduler, self.schedule_start, state.max_steps)
+            if state.global_step == self.schedule_start:
+                say(f"training on past step {self.schedule_start}, where the run's schedule ended: a new "
+                    f"{getattr(args.lr_scheduler_type, 'value', args.lr_scheduler_type)} schedule over steps "
+                    f"{self.schedule_start + 1}-{state.max_steps}, without warmup, instead of its end's rate 0.")
+        if self.new_schedule:
             apply_learning_rate(optimizer, lr_scheduler, self.learning_rate)
 
     def on_step_begin(self, args, state, control, **kwargs):
         if state.global_step >= state.max_steps > 0:
             raise NothingLeftToTrain()
+
+
+def start_new_schedule(args, optimizer, lr_scheduler, start: int, max_steps: int) -> None:
+    """Give the scheduler (every group) the shape of the run's schedule over the steps from `start` to `max_steps`,
+    and set each group's rate to where it begins."""
+    import torch
+    from torch.optim.lr_scheduler import LambdaLR
+    from transformers import get_scheduler
+
+    if not isinstance(lr_scheduler, LambdaLR):  # a schedule of DeepSpeed's or one on plateaus does not end at 0
+        return
+    stand_in = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)  # get_scheduler writes to its groups
+    # no warmup: the optimizer's moments are warm already, and a warmup of the recipe's fraction of a few new steps
+    # would train the first of them at rate 0 again
+    fresh = get_scheduler(args.lr_scheduler_type, stand_in, num_warmup_steps=0, num_training_steps=max_steps - start,
+                          scheduler_specific_kwargs=args.lr_scheduler_kwargs)
+    shape = fresh.lr_lambdas[0]
+    lr_scheduler.lr_lambdas = [lambda step: shape(step - start)] * len(lr_scheduler.lr_lambdas)
+    rates = [base * factor(lr_scheduler.last_epoch) for base, factor in zip(lr_scheduler.base_lrs, lr_scheduler.lr_lambdas)]
+    for group, rate in zip(optimizer.param_groups, rates):
+        group["lr"] = rate
 
 
 def apply_learning_rate(optimizer, lr_scheduler, learning_rate: float) -> None:
