@@ -5,6 +5,7 @@ learning rate and cadence and checks that they are applied."""
 
 import json
 import os
+import re
 import shutil
 import socket
 from pathlib import Path
@@ -74,7 +75,6 @@ CHANGEABLE = [
     ("gradient_checkpointing", ["--gradient_checkpointing", "true"]),
     ("eval_samples_before_after", ["--eval_samples_before_after", "4"]),
     ("sample_prompt", ["--sample_prompt", "Reverse: a b c"]),
-    ("world_size", []),
 ]
 
 
@@ -122,10 +122,6 @@ def test_a_schedule_change_is_refused_unless_asked_for(field, flags, tmp_path, c
 @pytest.mark.parametrize("field, flags", CHANGEABLE, ids=[name for name, _ in CHANGEABLE])
 def test_a_change_that_a_resume_can_apply_is_printed(field, flags, tmp_path, capsys):
     output_dir = run_folder(tmp_path)
-    if field == "world_size":  # the checkpoint was written by two processes, the relaunch runs one
-        record = json.loads((output_dir / RUN_RECORD).read_text())
-        record["settings"]["world_size"] = 2
-        write(output_dir / RUN_RECORD, json.dumps(record))
     relaunch(output_dir, *flags)
     printed = capsys.readouterr().out
     assert f"resuming from checkpoint-4 with `{field}`" in printed, printed
@@ -300,3 +296,77 @@ def test_a_warmup_covering_the_whole_run_is_said(tmp_path, capsys):
         capsys.readouterr().out
     WarmupNotice().on_train_begin(args, TrainerState(global_step=0, max_steps=40), None)
     assert capsys.readouterr().out == ""
+
+
+# The comparison table of finetune/checks/resume.py, field by field: each case below is generated from it, and the
+# README's table must name the same fields the same way, so a field deleted from resume.py fails here.
+TABLE = {**{name: "refused" for name in resume.FIXED}, **{name: "schedule" for name in resume.SCHEDULE},
+         **{name: "applied" for name in resume.CHANGEABLE}}
+COMPARED_ONCE_THE_ROWS_LOAD = "data_fingerprint"
+
+
+def readme_table() -> dict[str, str]:
+    """Each field the README's relaunch table names (in backticks, in its first column), and what happens to it."""
+    text = (ROOT / "README.md").read_text()
+    table = text[text.index("| a relaunch that changes |"):].split("\n\n", 1)[0].splitlines()[2:]
+    found = {}
+    for row in table:
+        fields, happens = row.split(" | ")[:2]
+        kind = ("schedule" if "--resume_with_new_schedule" in happens else
+                "applied" if happens.startswith("applied") else "refused")
+        found |= {name: kind for name in re.findall(r"`(\w+)`", fields)}
+    return found
+
+
+def test_the_readme_names_every_field_of_the_comparison_table_as_it_is_treated():
+    assert readme_table() == TABLE
+
+
+@pytest.mark.parametrize("field", TABLE)
+def test_each_field_of_the_comparison_table_changed_alone_is_treated_as_the_table_says(field, tmp_path, capsys):
+    """The run record says another value for this one field (what a relaunch that changes it meets)."""
+    output_dir = run_folder(tmp_path)
+    run = parse_args([*LORA, "--output_dir", str(output_dir)])
+    sections = (run.training, run.model, run.script, run.finetune)
+    assert field in ("world_size", COMPARED_ONCE_THE_ROWS_LOAD) or any(hasattr(s, field) for s in sections), field
+    run.data_fingerprint = "4 rows, sha256 0"
+    another = 2 if field == "world_size" else ["another value"]  # two processes wrote it, one relaunches it
+    recorded = {**resume.settings(run), field: another}
+    checkpoint = output_dir / "checkpoint-4"
+    if field == COMPARED_ONCE_THE_ROWS_LOAD:
+        from datasets import Dataset
+
+        with pytest.raises(UserError, match="training rows changed since checkpoint-4"):
+            resume.check_data_unchanged(run, recorded, checkpoint, output_dir, Dataset.from_list([{"text": "a"}]))
+        return
+    if TABLE[field] == "applied":
+        assert resume.check_relaunch(run, recorded, checkpoint, output_dir) == [field]
+        assert f"resuming from checkpoint-4 with `{field}`" in capsys.readouterr().out
+        return
+    with pytest.raises(UserError) as refused:
+        resume.check_relaunch(run, recorded, checkpoint, output_dir)
+    sentence = str(refused.value)
+    assert f"`{field}` (['another value'] -> " in sentence and sentence.count(". ") == 0, sentence
+    if TABLE[field] == "schedule":
+        run.finetune.resume_with_new_schedule = True
+        assert resume.check_relaunch(run, recorded, checkpoint, output_dir) == [field]
+
+
+def test_another_process_count_rescales_the_accumulation_under_ddp_and_is_refused_where_it_cannot(tmp_path, monkeypatch,
+                                                                                               capsys):
+    output_dir = run_folder(tmp_path)  # one process, gradient_accumulation_steps 2
+    run = parse_args([*LORA, "--output_dir", str(output_dir)])
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    relaunch_checks.check_output_dir(run)
+    assert run.training.gradient_accumulation_steps == 1
+    assert "of 1 process(es) with 2: gradient_accumulation_steps 2 -> 1, so each step takes the same rows" in \
+        capsys.readouterr().out
+    for world_size, strategy in (("4", "ddp"), ("2", "zero3")):
+        monkeypatch.setenv("WORLD_SIZE", "1")  # parsed as one process (the arguments would set up a process group)
+        run = parse_args([*LORA, "--output_dir", str(output_dir)])
+        monkeypatch.setenv("WORLD_SIZE", world_size)
+        monkeypatch.setattr("finetune.config.launch_request.requested_strategy", lambda: strategy)
+        with pytest.raises(UserError) as refused:
+            relaunch_checks.check_output_dir(run)
+        assert f"was trained by 1 process(es) and this relaunch runs {world_size}" in str(refused.value)
+        assert f"under {strategy}" in str(refused.value) and str(refused.value).count(". ") == 0

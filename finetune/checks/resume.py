@@ -43,14 +43,14 @@ FIXED = {
 }
 
 
-SCHEDULE = ("learning_rate", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_ratio", "warmup_steps")
+SCHEDULE = ("learning_rate", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps")  # a fraction below 1 too
 
 
 CHANGEABLE = (
     "max_steps", "num_train_epochs", "logging_steps", "logging_strategy", "eval_steps", "eval_strategy", "save_steps",
     "save_strategy", "save_total_limit", "max_grad_norm", "gradient_checkpointing", "torch_compile",
     "use_liger_kernel", "attn_implementation", "dtype", "report_to", "eval_samples_before_after", "sample_prompt",
-    "world_size",  # a sharded optimizer state refuses another count when it loads; DDP's full one takes it
+    "world_size",  # with the accumulation rescaled to keep the global batch (keep_global_batch), or refused
 )
 
 
@@ -133,6 +133,8 @@ def _listed(changes) -> str:
 def check_relaunch(run, recorded: dict, checkpoint: Path, output_dir: Path) -> list[str]:
     """Refuse what a resume from `checkpoint` cannot continue with; return the changed names it will apply."""
     now = settings(run)
+    if keep_global_batch(run, recorded, checkpoint, output_dir):  # what a step takes is kept: compared as before
+        now["gradient_accumulation_steps"] = recorded["gradient_accumulation_steps"]
     fixed = _changes(recorded, now, [name for name in FIXED if name != "data_fingerprint"])
     if fixed:
         reasons = sorted({FIXED[name] for name, _, _ in fixed})
@@ -152,6 +154,32 @@ def check_relaunch(run, recorded: dict, checkpoint: Path, output_dir: Path) -> l
     if applied and int(os.environ.get("RANK", "0")) == 0:
         say(f"resuming from {checkpoint.name} with {_listed(applied)} applied from its step on.")
     return [name for name, _, _ in applied]
+
+
+def keep_global_batch(run, recorded: dict, checkpoint: Path, output_dir: Path) -> bool:
+    """Another process count: under DDP (a full optimizer state) the accumulation is rescaled so that each step
+    takes the same rows as before (accelerate deals batch i to process i mod N, so N processes accumulating k batches
+    take the batches one process accumulating N*k takes); said in one line. Refused where that cannot hold: a sharded
+    FSDP or ZeRO state, an accumulation that does not divide, or one changed by this relaunch too. True when
+    rescaled."""
+    from finetune.config.launch_request import requested_strategy
+
+    before, after = recorded.get("world_size"), _value(run, "world_size")
+    accumulation = recorded.get("gradient_accumulation_steps")
+    if before is None or before == after or accumulation is None:
+        return False
+    if (requested_strategy() not in ("single", "ddp") or accumulation != run.training.gradient_accumulation_steps
+            or (accumulation * before) % after):
+        raise UserError(
+            f"{output_dir}: {checkpoint.name} was trained by {before} process(es) and this relaunch runs {after}, which "
+            f"it cannot continue with under {requested_strategy()} with `gradient_accumulation_steps` "
+            f"{run.training.gradient_accumulation_steps} (the global batch and the rows each step takes would change); "
+            f"relaunch with {before} processes, or pick a new --output_dir."
+        )
+    run.training.gradient_accumulation_steps = accumulation * before // after
+    say(f"resuming {checkpoint.name} of {before} process(es) with {after}: gradient_accumulation_steps {accumulation} "
+        f"-> {run.training.gradient_accumulation_steps}, so each step takes the same rows as before.")
+    return True
 
 
 def check_data_unchanged(run, recorded: dict, checkpoint: Path | None, output_dir: Path, train_set) -> None:
