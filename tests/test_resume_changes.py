@@ -1,4 +1,4 @@
-"""A relaunch that would resume a checkpoint with other arguments (finetune/resume.py, the README's "Relaunch and
+"""A relaunch that would resume a checkpoint with other arguments (finetune/checks/resume.py, the README's "Relaunch and
 resume" table): every field of the table is changed once against a run folder holding a complete checkpoint and the
 run record of the original launch. No model loads here; tests/test_preemption_single.py resumes real runs with a new
 learning rate and cadence and checks that they are applied."""
