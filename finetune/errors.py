@@ -15,9 +15,12 @@ class UserError(Exception):
 class RunFinished(Exception):
     """A relaunch of a run whose final model is complete: said in one line, nothing changed, exit 0."""
 
-    def __init__(self, output_dir: str, step: int):
+    def __init__(self, output_dir: str, step: int, can_train_on: bool):
+        way_on = ("raise --max_steps to train on from its last checkpoint" if can_train_on else
+                  "it has no checkpoint to train on from (save_strategy), so a higher --max_steps is refused unless "
+                  "--replace_finished_model true trains it again from step 0")
         super().__init__(f"{output_dir} holds this run's complete final model (step {step}); nothing was changed. "
-                         f"Pick a new --output_dir to train again, or raise --max_steps to train on.")
+                         f"Pick a new --output_dir to train again, or {way_on}.")
         self.output_dir = output_dir
 
 

@@ -4,10 +4,12 @@ files and JSON only: the launcher, the checks and the run all read the folder th
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import re
 import shutil
+import socket
 import time
 from pathlib import Path
 
@@ -41,7 +43,10 @@ CHECKPOINT_PATTERN = re.compile(r"^checkpoint-(\d+)$")
 OPTIMIZER_STATE = ("optimizer.pt", "optimizer.bin", "optimizer_0", "pytorch_model_fsdp_0")
 
 
-def _is_main() -> bool:
+LOCK = "finetune_run.lock"  # the launch training into the folder now: a second one is refused while it lives
+
+
+def is_main() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
 
@@ -145,10 +150,10 @@ def resume_point(requested: str | None, output_dir: str, announce: bool = True) 
                 f"{requested}: cannot resume from this checkpoint ({problem}); pass another checkpoint-N folder to "
                 f"--resume_from_checkpoint, or leave it out to resume from the newest complete one."
             )
-        if announce and _is_main():
+        if announce and is_main():
             say(f"resuming from {requested}")
         return str(requested)
-    chosen = newest_complete(output_dir, report=_is_main())
+    chosen = newest_complete(output_dir, report=is_main())
     return str(chosen) if chosen is not None else None
 
 
@@ -171,7 +176,7 @@ def _flushed_sizes(folder: Path, paths, marker: str) -> dict[str, int]:
     """Each file of `paths` (but the marker and files being written aside) flushed to disk, by its name under folder."""
     files = {}
     for path in sorted(paths):
-        if path.is_file() and path.name != marker and not path.name.endswith(".tmp"):
+        if path.is_file() and path.name not in (marker, LOCK) and not path.name.endswith(".tmp"):
             _fsync(path)
             files[str(path.relative_to(folder))] = path.stat().st_size
     return files
@@ -197,15 +202,15 @@ def write_final_marker(output_dir: str | Path, step: int, length: dict) -> None:
     write_atomically(folder / FINAL_MARKER, json.dumps(marker, indent=1) + "\n")
 
 
-def finished_step(output_dir: str | Path, length: dict) -> int | None:
-    """The step at which this run finished, when its final model is complete and it is relaunched to train as long
-    as before; None when there is training or a final save left to do."""
+def finished_step(output_dir: str | Path, length: dict | None = None) -> int | None:
+    """The step at which this run finished, when its final model is complete (and, given `length`, it is relaunched
+    to train as long as before); None when there is training or a final save left to do."""
     try:
         marker = json.loads((Path(output_dir) / FINAL_MARKER).read_text())
         files, step = marker["files"], int(marker["step"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    if marker.get("length") != length or _listed_files_problem(Path(output_dir), files):
+    if (length is not None and marker.get("length") != length) or _listed_files_problem(Path(output_dir), files):
         return None
     return step
 
@@ -229,3 +234,98 @@ def rotate(output_dir: str | Path, save_total_limit: int | None, keep: set[Path]
         shutil.rmtree(folder, ignore_errors=True)
         deleted.append(folder)
     return deleted
+
+
+def _launch() -> str:
+    """What every process of one launch shares and no other launch does: the rendezvous address of a launch of
+    several processes (one port is listened on by one launch at a time), else the host and the one process."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return f"{os.environ.get('MASTER_ADDR', '')}:{os.environ.get('MASTER_PORT', '')}"
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def _started(pid: int) -> str | None:
+    """When a process started, in clock ticks since boot (Linux): a pid reused by a later process has another."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _alive(pid: int, started: str | None) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return started is None or _started(pid) in (None, started)
+
+
+def lock_holder(output_dir: str | Path) -> dict | None:
+    """The other launch training into output_dir now ({pid, host, since, ...}), or None. A lock left by a process of
+    this host that is gone (killed, the machine restarted) is stale and holds nothing."""
+    holder = recorded_lock(output_dir)
+    try:
+        pid = int(holder["pid"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    if holder.get("launch") == _launch():
+        return None
+    if holder.get("host") == socket.gethostname() and not _alive(pid, holder.get("started")):
+        return None
+    return holder
+
+
+def in_use_sentence(output_dir: str | Path, holder: dict) -> str:
+    return (f"{output_dir}: output_dir is in use by another launch (pid {holder['pid']} on {holder.get('host')}, "
+            f"since {holder.get('since')}; {Path(output_dir) / LOCK}); wait for it to end or pick another "
+            f"--output_dir (delete the lock file only if that process is gone).")
+
+
+def take_lock(output_dir: str | Path) -> None:
+    """Mark output_dir as trained into by this launch, until this process exits; refused while another live launch
+    holds it, a stale lock replaced with a line. Created exclusively: of two launches started together, one wins."""
+    folder = Path(output_dir)
+    created = not folder.exists()
+    folder.mkdir(parents=True, exist_ok=True)
+    lock = folder / LOCK
+    pid = os.getpid()
+    record = {"pid": pid, "host": socket.gethostname(), "launch": _launch(), "started": _started(pid),
+              "since": time.strftime("%Y-%m-%dT%H:%M:%S"), "created_folder": created}
+    while True:  # a stale lock is removed and taking it tried again
+        try:
+            descriptor = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            holder = lock_holder(folder)
+            if holder is not None:
+                raise UserError(in_use_sentence(folder, holder)) from None
+            stale = recorded_lock(folder)
+            if stale.get("launch") != record["launch"]:
+                say(f"{lock}: the launch that held it (pid {stale.get('pid')}) is gone; taking the folder over")
+            lock.unlink(missing_ok=True)
+            continue
+        with os.fdopen(descriptor, "w") as handle:
+            handle.write(json.dumps(record) + "\n")
+        atexit.register(release_lock, folder)
+        return
+
+
+def recorded_lock(output_dir: str | Path) -> dict:
+    try:
+        held = json.loads((Path(output_dir) / LOCK).read_text())
+    except (OSError, ValueError):
+        return {}
+    return held if isinstance(held, dict) else {}
+
+
+def release_lock(output_dir: str | Path) -> None:
+    """Remove output_dir's lock when this process holds it, and the folder too when taking the lock created it and
+    nothing was written there since (a run refused while loading leaves no trace)."""
+    folder = Path(output_dir)
+    held = recorded_lock(folder)
+    if held.get("pid") != os.getpid():
+        return
+    (folder / LOCK).unlink(missing_ok=True)
+    if held.get("created_folder") and not any(folder.iterdir()):
+        folder.rmdir()

@@ -9,6 +9,7 @@ With no arguments it trains the tiny Llama on the bundled sample data (finetune/
 
 from __future__ import annotations
 
+from finetune import run_folder
 from finetune.checks import model_folder, relaunch
 from finetune.checks import recipe as recipe_checks
 from finetune.data import load as data
@@ -26,25 +27,35 @@ def configure(argv: list[str] | None = None) -> RunConfig:
 
 
 def prepare(argv: list[str] | None = None):
-    """Configure, then load: the run, its trainer ready to train, and the tokenizer."""
+    """Configure, take the output folder (one launch at a time), then load: the run, its trainer ready to train, and
+    the tokenizer."""
     speed.mark("imports_done")
     run = configure(argv)
-    model_path = model_folder.resolve_model_path(run)
-    tokenizer = model.load_tokenizer(model_path, run.training.assistant_only_loss)
-    model_folder.check_lora_targets(run, model_path)
-    train_set, eval_set = data.load_datasets(run.script, run.training, None if run.finetune.truncation else tokenizer,
-                                             run.finetune, record=run.data_sources, tokenizer=tokenizer)
-    relaunch.check_data_unchanged(run, train_set)
-    loaded = model.load_model(run, model_path)
-    speed.mark("model_loaded")  # on the GPU where it loads there (quantized, MXFP4), else on the CPU
-    trainer = training.build_trainer(run, loaded, tokenizer, train_set, eval_set)
-    speed.mark("model_on_device")  # the Trainer has tokenized the rows and moved the model to its device
+    if run_folder.is_main():
+        run_folder.take_lock(run.training.output_dir)
+    try:
+        model_path = model_folder.resolve_model_path(run)
+        tokenizer = model.load_tokenizer(model_path, run.training.assistant_only_loss)
+        model_folder.check_lora_targets(run, model_path)
+        train_set, eval_set = data.load_datasets(run.script, run.training, None if run.finetune.truncation else tokenizer,
+                                                 run.finetune, record=run.data_sources, tokenizer=tokenizer)
+        relaunch.check_data_unchanged(run, train_set)
+        loaded = model.load_model(run, model_path)
+        speed.mark("model_loaded")  # on the GPU where it loads there (quantized, MXFP4), else on the CPU
+        trainer = training.build_trainer(run, loaded, tokenizer, train_set, eval_set)
+        speed.mark("model_on_device")  # the Trainer has tokenized the rows and moved the model to its device
+    except BaseException:  # refused or failed while loading: the folder is left as it was found
+        run_folder.release_lock(run.training.output_dir)
+        raise
     return run, trainer, tokenizer
 
 
 def main(argv: list[str] | None = None):
     """The whole run: prepare, train, save the final model, close the processes; the run and its trainer."""
     run, trainer, tokenizer = prepare(argv)
-    training.train_and_save(trainer, run, tokenizer)
+    try:
+        training.train_and_save(trainer, run, tokenizer)
+    finally:
+        run_folder.release_lock(run.training.output_dir)
     training.finish_run(trainer)
     return run, trainer

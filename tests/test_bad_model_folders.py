@@ -18,8 +18,10 @@ import pytest
 from finetune import cli
 from finetune import run_folder as folder_files
 from finetune.checks import model_folder
+from finetune.errors import UserError
 from finetune.models import tiny
 from finetune.run import evaluation
+from finetune.run import generation as inference
 from finetune.run import model as model_loading
 from finetune.run_folder import RUN_RECORD
 from tests.helpers import ROOT, folder_digest, write
@@ -192,6 +194,18 @@ COMMAND_CASES = [
      ["cannot be created because", "a-file.txt is a file"]),
     ("merge: an output path that is a file", ["merge", "{adapter}", "{file}"], ["a file, not a folder"]),
     ("merge: an output folder that holds files", ["merge", "{adapter}", "{base}"], ["already holds files"]),
+    ("generate: --out an existing file, without --overwrite",
+     ["generate", "{base}", "--prompts", "{prompts}", "--out", "{file}"], ["a-file.txt: already exists", "--overwrite"]),
+    ("generate: --out the prompts file", ["generate", "{base}", "--prompts", "{prompts}", "--out", "{prompts}"],
+     ["prompts.txt: already exists", "--overwrite"]),
+    ("generate: --out the adapter's own weights, even with --overwrite",
+     ["generate", "{adapter}", "--prompts", "{prompts}", "--out", "{adapter}/adapter_model.safetensors", "--overwrite"],
+     ["adapter_model.safetensors: already exists in the model folder", "outside it"]),
+    ("eval: --report an existing file, without --overwrite",
+     ["eval", "{base}", "--dataset_name", "{rows}", "--report", "{file}"], ["a-file.txt: already exists", "--overwrite"]),
+    ("eval: --report a run's record, even with --overwrite",
+     ["eval", "{finished run}", "--dataset_name", "{rows}", "--report", "{finished run}/finetune_run.json",
+      "--overwrite"], ["finetune_run.json: already exists in the model folder"]),
 ]
 
 
@@ -243,6 +257,60 @@ def test_chat_names_the_stdin_line_that_is_not_utf8(folders, monkeypatch, capfd)
     sentence = refusal_after_loading(["chat", folders["base"], "--max_new_tokens", "2"], capfd)
     assert sentence == ("error: stdin: line 2 is not UTF-8 text; send UTF-8 (convert with iconv -t UTF-8, or set the "
                         "terminal's encoding to UTF-8).")
+
+
+def test_overwrite_replaces_an_existing_answers_file_outside_a_model_folder(folders, tmp_path, capfd):
+    out = write(tmp_path / "answers.jsonl", "earlier answers\n")
+    arguments = ["generate", folders["base"], "--prompts", folders["prompts"], "--out", str(out), "--max_new_tokens", "2"]
+    assert cli.main([*arguments, "--overwrite"]) == 0, capfd.readouterr().err[-3000:]
+    assert json.loads(out.read_text())["prompt"] == "Repeat: red fish"
+
+
+def prompt_tokens(tokenizer, conversation: list[dict]) -> int:
+    return len(tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True,
+                                             return_dict=True)["input_ids"])
+
+
+def test_prompts_and_new_tokens_are_held_to_the_models_context(folders, capsys):
+    model, tokenizer = inference.load_trained(folders["base"], device="cpu")
+    prompt = [{"role": "user", "content": "Repeat: red fish"}]
+    length = prompt_tokens(tokenizer, prompt)
+    model.config.max_position_embeddings = length + 3
+    assert len(inference.generate_answers(model, tokenizer, [prompt], max_new_tokens=10)) == 1
+    assert "prompts: --max_new_tokens 10 cut to 3 where a prompt leaves less" in capsys.readouterr().out
+    model.config.max_position_embeddings = length
+    with pytest.raises(UserError) as refused:
+        inference.generate_answers(model, tokenizer, [prompt, prompt], source="p.jsonl")
+    assert str(refused.value).startswith(f"p.jsonl: prompt 1 is {length} tokens through the chat template and the "
+                                         f"model reads at most {length}")
+    assert inference.generate_answers(model, tokenizer, [prompt], skip_too_long=True) == [""]
+    assert "1 prompt(s) longer than the model's" in capsys.readouterr().out
+    out = io.StringIO()
+    inference.chat(model, tokenizer, generation={"max_new_tokens": 2}, lines=io.StringIO("Repeat: red fish\n"), out=out)
+    assert "send a shorter one, or /reset" in capsys.readouterr().err and out.getvalue() == ""
+
+
+def test_eval_cuts_rows_as_training_does_and_scores_a_prompt_past_the_context_as_a_miss(folders, capsys):
+    model, tokenizer = inference.load_trained(folders["base"], device="cpu")
+    long_row = [{"role": "user", "content": "Repeat: " + "red fish " * 40},
+                {"role": "assistant", "content": "red fish " * 40}]
+    model.config.max_position_embeddings = 24  # shorter than the prompt: no answer, and rows cut to 24 tokens
+    scores = evaluation.score(model, tokenizer, [long_row, CONVERSATION], max_new_tokens=2)
+    assert scores["answers"][0] == "" and scores["rows"] == 2
+    assert scores["loss"] == round(evaluation.assistant_loss(model, tokenizer, [long_row, CONVERSATION],
+                                                             max_length=24), 4)
+    model.config.max_position_embeddings = 4096
+    assert evaluation.assistant_loss(model, tokenizer, [long_row], max_length=24) != \
+        evaluation.assistant_loss(model, tokenizer, [long_row])
+
+
+def test_merge_of_a_plain_peft_adapter_takes_the_tokenizer_of_its_base(folders, tmp_path, capfd):
+    adapter = copy_of(Path(folders["adapter"]), tmp_path / "plain-adapter")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
+        (adapter / name).unlink(missing_ok=True)
+    assert cli.main(["merge", str(adapter), str(tmp_path / "merged")]) == 0, capfd.readouterr().err[-3000:]
+    assert "holds no tokenizer files (a plain peft adapter)" in capfd.readouterr().out
+    assert (tmp_path / "merged" / "tokenizer.json").is_file()
 
 
 def refusal_after_loading(arguments: list[str], capfd) -> str:

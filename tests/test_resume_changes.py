@@ -1,22 +1,28 @@
-"""A relaunch that would resume a checkpoint with other arguments (finetune/resume.py, the README's "Relaunch and
+"""A relaunch that would resume a checkpoint with other arguments (finetune/checks/resume.py, the README's "Relaunch and
 resume" table): every field of the table is changed once against a run folder holding a complete checkpoint and the
 run record of the original launch. No model loads here; tests/test_preemption_single.py resumes real runs with a new
 learning rate and cadence and checks that they are applied."""
 
 import json
+import os
+import re
+import shutil
+import socket
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
+from finetune import run_folder as folder_files
 from finetune.checks import recipe as recipe_checks
+from finetune.checks import relaunch as relaunch_checks
 from finetune.checks import resume
-from finetune.checks.relaunch import run_identity
-from finetune.errors import UserError
+from finetune.checks.relaunch import run_identity, training_length
+from finetune.errors import RunFinished, UserError
 from finetune.run.arguments import parse_args
 from finetune.run_folder import RUN_RECORD
-from tests.helpers import ROOT, write
+from tests.helpers import ROOT, folder_digest, write
 
 LORA = ["--config", str(ROOT / "recipes" / "llama-3.2-1b" / "lora.yaml"), "--tiny"]
 
@@ -69,7 +75,6 @@ CHANGEABLE = [
     ("gradient_checkpointing", ["--gradient_checkpointing", "true"]),
     ("eval_samples_before_after", ["--eval_samples_before_after", "4"]),
     ("sample_prompt", ["--sample_prompt", "Reverse: a b c"]),
-    ("world_size", []),
 ]
 
 
@@ -84,7 +89,7 @@ def run_folder(tmp_path: Path, *extra: str) -> Path:
     save_file({"weight": torch.zeros(2)}, str(checkpoint / "adapter_model.safetensors"))
     write(checkpoint / "trainer_state.json", '{"global_step": 4}')
     write(checkpoint / "optimizer.pt", "state")
-    run_folder.write_marker(checkpoint, 4, 1)
+    folder_files.write_marker(checkpoint, 4, 1)
     return output_dir
 
 
@@ -117,10 +122,6 @@ def test_a_schedule_change_is_refused_unless_asked_for(field, flags, tmp_path, c
 @pytest.mark.parametrize("field, flags", CHANGEABLE, ids=[name for name, _ in CHANGEABLE])
 def test_a_change_that_a_resume_can_apply_is_printed(field, flags, tmp_path, capsys):
     output_dir = run_folder(tmp_path)
-    if field == "world_size":  # the checkpoint was written by two processes, the relaunch runs one
-        record = json.loads((output_dir / RUN_RECORD).read_text())
-        record["settings"]["world_size"] = 2
-        write(output_dir / RUN_RECORD, json.dumps(record))
     relaunch(output_dir, *flags)
     printed = capsys.readouterr().out
     assert f"resuming from checkpoint-4 with `{field}`" in printed, printed
@@ -138,7 +139,7 @@ def test_the_same_arguments_resume_silently_and_without_a_checkpoint_anything_ma
     relaunch(output_dir)
     assert "resuming from" not in capsys.readouterr().out
     for folder in output_dir.glob("checkpoint-*"):
-        (folder / run_folder.MARKER).unlink()  # no complete checkpoint: the relaunch starts over
+        (folder / folder_files.MARKER).unlink()  # no complete checkpoint: the relaunch starts over
     relaunch(output_dir, "--lora_r", "8", "--learning_rate", "1e-4")
 
 
@@ -152,14 +153,220 @@ def test_changed_training_rows_are_refused_once_they_load(tmp_path):
     def rows_of(path):
         return load_dataset("json", data_files=str(path), split="train")
 
-    relaunch.check_data_unchanged(run, rows_of(data))  # nothing recorded yet: it only takes the fingerprint
+    relaunch_checks.check_data_unchanged(run, rows_of(data))  # nothing recorded yet: it only takes the fingerprint
     record = json.loads((output_dir / RUN_RECORD).read_text())
     record["settings"]["data_fingerprint"] = run.data_fingerprint
     write(output_dir / RUN_RECORD, json.dumps(record))
     run = relaunch(output_dir, "--dataset_name", str(data))  # the record is read once, by the relaunch's checks
     copy = write(tmp_path / "restaged" / "train.jsonl", data.read_text())  # the same rows elsewhere still match
-    relaunch.check_data_unchanged(run, rows_of(copy))
+    relaunch_checks.check_data_unchanged(run, rows_of(copy))
     write(data, "\n".join(rows[:39] + [rows[41]]) + "\n")
     with pytest.raises(UserError) as refused:
-        relaunch.check_data_unchanged(run, rows_of(data))
+        relaunch_checks.check_data_unchanged(run, rows_of(data))
     assert "training rows changed since checkpoint-4" in str(refused.value), str(refused.value)
+
+
+def test_a_launch_into_a_folder_in_use_is_refused_naming_the_first_and_a_stale_lock_is_taken_over(tmp_path, capsys):
+    output_dir = run_folder(tmp_path)
+    first = os.getppid()  # a live process of this host that is not this launch
+    holder = {"pid": first, "host": socket.gethostname(), "launch": "another launch",
+              "started": folder_files._started(first), "since": "2026-01-01T00:00:00"}
+    write(output_dir / folder_files.LOCK, json.dumps(holder))
+    with pytest.raises(UserError) as refused:
+        relaunch(output_dir)
+    assert f"output_dir is in use by another launch (pid {first} on {socket.gethostname()}" in str(refused.value)
+    with pytest.raises(UserError):
+        folder_files.take_lock(output_dir)
+    write(output_dir / folder_files.LOCK, json.dumps({**holder, "started": "0"}))  # that pid is another process now
+    relaunch(output_dir)
+    folder_files.take_lock(output_dir)
+    assert "is gone; taking the folder over" in capsys.readouterr().out
+    assert json.loads((output_dir / folder_files.LOCK).read_text())["pid"] == os.getpid()
+    folder_files.release_lock(output_dir)
+    assert not (output_dir / folder_files.LOCK).exists()
+
+
+def with_adapter_config(checkpoint: Path, **settings) -> None:
+    write(checkpoint / "adapter_config.json", json.dumps(
+        {"r": 16, "lora_alpha": 32, "use_rslora": False, "use_dora": False, "lora_dropout": 0.05, **settings}))
+    folder_files.write_marker(checkpoint, 4, 1)
+
+
+def test_a_run_record_cut_short_still_compares_the_checkpoints_own_adapter_config(tmp_path):
+    output_dir = run_folder(tmp_path)
+    with_adapter_config(output_dir / "checkpoint-4")
+    (output_dir / RUN_RECORD).write_text('{"model_name_or_path": "meta-ll')
+    relaunch(output_dir)
+    with pytest.raises(UserError) as refused:
+        relaunch(output_dir, "--lora_alpha", "64")
+    assert "`lora_alpha` (32 -> 64)" in str(refused.value), str(refused.value)
+
+
+@pytest.mark.parametrize("record", ["kept", "gone"])
+def test_a_checkpoint_of_another_run_folder_is_compared_with_that_run(record, tmp_path):
+    other = run_folder(tmp_path / "other", "--lora_r", "8")
+    with_adapter_config(other / "checkpoint-4", r=8)
+    if record == "gone":
+        (other / RUN_RECORD).unlink()
+    resumed = ["--resume_from_checkpoint", str(other / "checkpoint-4")]
+    with pytest.raises(UserError) as refused:
+        relaunch(tmp_path / "new", *resumed)
+    assert "`lora_r` (8 -> 16)" in str(refused.value), str(refused.value)
+    relaunch(tmp_path / "new", *resumed, "--lora_r", "8")
+
+
+def finished_without_checkpoints(tmp_path: Path) -> Path:
+    """A run that finished at step 4 with `save_strategy: no`: its final model and marker, no checkpoint."""
+    output_dir = run_folder(tmp_path)
+    for folder in output_dir.glob("checkpoint-*"):
+        shutil.rmtree(folder)
+    save_file({"weight": torch.ones(2)}, str(output_dir / "adapter_model.safetensors"))
+    run = parse_args([*LORA, "--output_dir", str(output_dir)])
+    folder_files.write_final_marker(output_dir, 4, training_length(run.training))
+    return output_dir
+
+
+def test_training_on_a_finished_run_without_a_checkpoint_is_refused_unless_asked_and_then_said(tmp_path, capsys):
+    output_dir = finished_without_checkpoints(tmp_path)
+    with pytest.raises(RunFinished) as finished:
+        relaunch(output_dir)
+    assert "no checkpoint to train on from" in str(finished.value) and "raise --max_steps" not in str(finished.value)
+    before = folder_digest(output_dir)
+    with pytest.raises(UserError) as refused:
+        relaunch(output_dir, "--max_steps", "20")
+    sentence = str(refused.value)
+    assert "holds this run's final model (step 4) and no checkpoint" in sentence, sentence
+    assert "--replace_finished_model true" in sentence and sentence.count(". ") == 0, sentence
+    relaunch(output_dir, "--max_steps", "20", "--replace_finished_model", "true")
+    assert "training from step 0 as asked" in capsys.readouterr().out
+    assert folder_digest(output_dir) == before
+
+
+def test_a_finished_run_with_a_checkpoint_is_told_to_raise_max_steps(tmp_path):
+    output_dir = run_folder(tmp_path)
+    run = parse_args([*LORA, "--output_dir", str(output_dir)])
+    folder_files.write_final_marker(output_dir, 4, training_length(run.training))
+    with pytest.raises(RunFinished) as finished:
+        relaunch(output_dir)
+    assert "raise --max_steps to train on from its last checkpoint" in str(finished.value)
+
+
+def test_training_on_past_the_end_of_a_schedule_starts_a_new_one_over_the_new_steps(tmp_path, capsys):
+    """The old cosine ended at rate 0 at step 6; the Trainer's scheduler, rebuilt over 9 steps, would have the first
+    new step train at the optimizer's saved rate 0 (6 -> 7 steps left the adapter bit-identical)."""
+    from transformers import TrainerState, get_scheduler
+
+    args = parse_args([*LORA, "--output_dir", str(tmp_path / "out")]).training
+    optimizer = torch.optim.SGD([{"params": [torch.nn.Parameter(torch.zeros(1))]},  # decayed and not, as the Trainer's
+                                 {"params": [torch.nn.Parameter(torch.zeros(1))]}], lr=args.learning_rate)
+    scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=0, num_training_steps=6)
+    for _ in range(6):
+        optimizer.step()
+        scheduler.step()
+    assert optimizer.param_groups[0]["lr"] == 0
+    checkpoint = write(tmp_path / "checkpoint-6" / "trainer_state.json", json.dumps({"global_step": 6, "max_steps": 6}))
+    start = resume.schedule_start(checkpoint.parent)
+    assert start == 6
+    saved = scheduler.state_dict()
+    scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=0, num_training_steps=9)  # as the Trainer builds it
+    scheduler.load_state_dict(saved)
+    optimizer.param_groups[0]["lr"] = 0.0  # as the checkpoint's optimizer state loads it
+    state = TrainerState(global_step=6, max_steps=9)
+    callback = resume.ResumedRun(False, args.learning_rate, start)
+    callback.on_train_begin(args, state, None, optimizer=optimizer, lr_scheduler=scheduler)
+    rates = [optimizer.param_groups[0]["lr"]]
+    for _ in range(2):
+        scheduler.step()
+        rates.append(optimizer.param_groups[0]["lr"])
+    assert rates == pytest.approx([args.learning_rate, 0.75 * args.learning_rate, 0.25 * args.learning_rate])
+    assert "a new cosine schedule over steps 7-9, without warmup, instead of its end's rate 0" in capsys.readouterr().out
+    kept = write(tmp_path / "checkpoint-8" / "trainer_state.json", json.dumps(
+        {"global_step": 8, "max_steps": 9, "stateful_callbacks": {"ResumedRun": callback.state()}}))
+    assert resume.schedule_start(kept.parent) == 6  # a later resume goes on with the new schedule
+
+
+def test_a_warmup_covering_the_whole_run_is_said(tmp_path, capsys):
+    from transformers import TrainerState
+
+    from finetune.run.trainer import WarmupNotice
+
+    args = parse_args([*LORA, "--output_dir", str(tmp_path / "out")]).training  # warmup_steps 0.03: 1 step of 1
+    WarmupNotice().on_train_begin(args, TrainerState(global_step=0, max_steps=1), None)
+    assert "covering all 1 steps of this run: its first step trains at learning rate 0 and it trains nothing" in \
+        capsys.readouterr().out
+    WarmupNotice().on_train_begin(args, TrainerState(global_step=0, max_steps=40), None)
+    assert capsys.readouterr().out == ""
+
+
+# The comparison table of finetune/checks/resume.py, field by field: each case below is generated from it, and the
+# README's table must name the same fields the same way, so a field deleted from resume.py fails here.
+TABLE = {**{name: "refused" for name in resume.FIXED}, **{name: "schedule" for name in resume.SCHEDULE},
+         **{name: "applied" for name in resume.CHANGEABLE}}
+COMPARED_ONCE_THE_ROWS_LOAD = "data_fingerprint"
+
+
+def readme_table() -> dict[str, str]:
+    """Each field the README's relaunch table names (in backticks, in its first column), and what happens to it."""
+    text = (ROOT / "README.md").read_text()
+    table = text[text.index("| a relaunch that changes |"):].split("\n\n", 1)[0].splitlines()[2:]
+    found = {}
+    for row in table:
+        fields, happens = row.split(" | ")[:2]
+        kind = ("schedule" if "--resume_with_new_schedule" in happens else
+                "applied" if happens.startswith("applied") else "refused")
+        found |= {name: kind for name in re.findall(r"`(\w+)`", fields)}
+    return found
+
+
+def test_the_readme_names_every_field_of_the_comparison_table_as_it_is_treated():
+    assert readme_table() == TABLE
+
+
+@pytest.mark.parametrize("field", TABLE)
+def test_each_field_of_the_comparison_table_changed_alone_is_treated_as_the_table_says(field, tmp_path, capsys):
+    """The run record says another value for this one field (what a relaunch that changes it meets)."""
+    output_dir = run_folder(tmp_path)
+    run = parse_args([*LORA, "--output_dir", str(output_dir)])
+    sections = (run.training, run.model, run.script, run.finetune)
+    assert field in ("world_size", COMPARED_ONCE_THE_ROWS_LOAD) or any(hasattr(s, field) for s in sections), field
+    run.data_fingerprint = "4 rows, sha256 0"
+    another = 2 if field == "world_size" else ["another value"]  # two processes wrote it, one relaunches it
+    recorded = {**resume.settings(run), field: another}
+    checkpoint = output_dir / "checkpoint-4"
+    if field == COMPARED_ONCE_THE_ROWS_LOAD:
+        from datasets import Dataset
+
+        with pytest.raises(UserError, match="training rows changed since checkpoint-4"):
+            resume.check_data_unchanged(run, recorded, checkpoint, output_dir, Dataset.from_list([{"text": "a"}]))
+        return
+    if TABLE[field] == "applied":
+        assert resume.check_relaunch(run, recorded, checkpoint, output_dir) == [field]
+        assert f"resuming from checkpoint-4 with `{field}`" in capsys.readouterr().out
+        return
+    with pytest.raises(UserError) as refused:
+        resume.check_relaunch(run, recorded, checkpoint, output_dir)
+    sentence = str(refused.value)
+    assert f"`{field}` (['another value'] -> " in sentence and sentence.count(". ") == 0, sentence
+    if TABLE[field] == "schedule":
+        run.finetune.resume_with_new_schedule = True
+        assert resume.check_relaunch(run, recorded, checkpoint, output_dir) == [field]
+
+
+def test_another_process_count_rescales_the_accumulation_under_ddp_and_is_refused_where_it_cannot(tmp_path, monkeypatch,
+                                                                                               capsys):
+    output_dir = run_folder(tmp_path)  # one process, gradient_accumulation_steps 2
+    run = parse_args([*LORA, "--output_dir", str(output_dir)])
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    relaunch_checks.check_output_dir(run)
+    assert run.training.gradient_accumulation_steps == 1
+    assert "of 1 process(es) with 2: gradient_accumulation_steps 2 -> 1, so each step takes the same rows" in \
+        capsys.readouterr().out
+    for world_size, strategy in (("4", "ddp"), ("2", "zero3")):
+        monkeypatch.setenv("WORLD_SIZE", "1")  # parsed as one process (the arguments would set up a process group)
+        run = parse_args([*LORA, "--output_dir", str(output_dir)])
+        monkeypatch.setenv("WORLD_SIZE", world_size)
+        monkeypatch.setattr("finetune.config.launch_request.requested_strategy", lambda: strategy)
+        with pytest.raises(UserError) as refused:
+            relaunch_checks.check_output_dir(run)
+        assert f"was trained by 1 process(es) and this relaunch runs {world_size}" in str(refused.value)
+        assert f"under {strategy}" in str(refused.value) and str(refused.value).count(". ") == 0

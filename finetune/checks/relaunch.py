@@ -44,8 +44,22 @@ def check_output_dir(run) -> None:
     if blocked:
         raise UserError(f"{output_dir}: output_dir cannot be written ({blocked[0]} is read-only or not yours); pick "
                         f"a folder you can write to for --output_dir.")
-    if not output_dir.exists() or not any(output_dir.iterdir()):
-        return
+    holder = run_folder.lock_holder(output_dir)
+    if holder is not None:
+        raise UserError(run_folder.in_use_sentence(output_dir, holder))
+    if output_dir.is_dir() and any(path.name != run_folder.LOCK for path in output_dir.iterdir()):
+        _check_run_in_folder(run, output_dir)
+    run.resumes_from = resume_checkpoint(run)
+    if run.resumes_from is None:
+        check_finished_model_kept(run, output_dir)
+    else:
+        run.recorded_settings = settings_of_checkpoint(run.resumes_from, output_dir, run.recorded_settings)
+        if run.recorded_settings:
+            resume.check_relaunch(run, run.recorded_settings, run.resumes_from, output_dir)
+
+
+def _check_run_in_folder(run, output_dir: Path) -> None:
+    """An output folder that holds files: this run's, not finished, or refused."""
     record_file = output_dir / RUN_RECORD
     if not record_file.is_file():
         raise UserError(
@@ -67,11 +81,35 @@ def check_output_dir(run) -> None:
         )
     step = run_folder.finished_step(output_dir, training_length(run.training))
     if step is not None:
-        raise RunFinished(str(output_dir), step)
-    run.resumes_from = resume_checkpoint(run)
+        raise RunFinished(str(output_dir), step, run_folder.newest_complete(output_dir) is not None)
     run.recorded_settings = recorded.get("settings") if isinstance(recorded.get("settings"), dict) else {}
-    if run.resumes_from is not None and run.recorded_settings:
-        resume.check_relaunch(run, run.recorded_settings, run.resumes_from, output_dir)
+
+
+def check_finished_model_kept(run, output_dir: Path) -> None:
+    """A finished run relaunched to train longer with no checkpoint to continue from would train from step 0 and
+    replace its final model: refused, unless asked for, and then said."""
+    finished = run_folder.finished_step(output_dir)
+    if finished is None:
+        return
+    if not run.finetune.replace_finished_model:
+        raise UserError(
+            f"{output_dir}: output_dir holds this run's final model (step {finished}) and no checkpoint to train on "
+            f"from (save_strategy), so this relaunch would train from step 0 and replace it; pick a new --output_dir, "
+            f"or add --replace_finished_model true to train again from the start."
+        )
+    say(f"{output_dir}: no checkpoint to train on from, so training from step 0 as asked "
+        f"(--replace_finished_model); its final model of step {finished} is replaced when this run saves.")
+
+
+def settings_of_checkpoint(checkpoint: Path, output_dir: Path, recorded: dict) -> dict:
+    """The settings a checkpoint was trained with: the run record of its own folder (this output folder's, already
+    read, or another run's for a --resume_from_checkpoint from elsewhere), overruled by what the checkpoint's own
+    files say, so that a run record cut short or another run's checkpoint is still compared field by field."""
+    folder = checkpoint.parent
+    if folder.resolve() != output_dir.resolve():
+        other = recorded_run(folder).get("settings")
+        recorded = other if isinstance(other, dict) else {}
+    return {**recorded, **resume.checkpoint_settings(checkpoint)}
 
 
 def resume_checkpoint(run) -> Path | None:

@@ -22,6 +22,7 @@ import os
 from pathlib import Path
 
 from transformers import TrainerCallback
+from transformers.trainer_callback import ExportableState
 
 from finetune.errors import UserError, say
 
@@ -42,15 +43,22 @@ FIXED = {
 }
 
 
-SCHEDULE = ("learning_rate", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_ratio", "warmup_steps")
+SCHEDULE = ("learning_rate", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps")  # a fraction below 1 too
 
 
 CHANGEABLE = (
     "max_steps", "num_train_epochs", "logging_steps", "logging_strategy", "eval_steps", "eval_strategy", "save_steps",
     "save_strategy", "save_total_limit", "max_grad_norm", "gradient_checkpointing", "torch_compile",
     "use_liger_kernel", "attn_implementation", "dtype", "report_to", "eval_samples_before_after", "sample_prompt",
-    "world_size",  # a sharded optimizer state refuses another count when it loads; DDP's full one takes it
+    "world_size",  # with the accumulation rescaled to keep the global batch (keep_global_batch), or refused
 )
+
+
+# What a checkpoint's own files say of the launch that wrote it, by the name the run record gives each field: peft's
+# adapter_config.json for the adapter, the Trainer's trainer_state.json for the batch.
+ADAPTER_CONFIG_FIELDS = {"r": "lora_r", "lora_alpha": "lora_alpha", "use_rslora": "use_rslora", "use_dora": "use_dora",
+                         "lora_dropout": "lora_dropout", "target_parameters": "lora_target_parameters"}
+TRAINER_STATE_FIELDS = {"train_batch_size": "per_device_train_batch_size"}
 
 
 FINGERPRINT_ROWS = 1000  # rows hashed, evenly spaced: a re-staged copy of the same file matches, an edited one not
@@ -81,6 +89,29 @@ def settings(run) -> dict:
     return {name: _plain(_value(run, name)) for name in (*FIXED, *SCHEDULE, *CHANGEABLE)}
 
 
+def _json_file(path: Path) -> dict:
+    try:
+        found = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
+def checkpoint_settings(checkpoint: Path) -> dict:
+    """The settings a checkpoint's own files hold: whether it is an adapter (adapter_config.json) or a full model
+    (config.json), the adapter's shape and scale, and the per-device batch."""
+    found = {}
+    adapter = _json_file(checkpoint / "adapter_config.json")
+    if adapter:
+        found["use_peft"] = True
+        found |= {name: _plain(adapter[key]) for key, name in ADAPTER_CONFIG_FIELDS.items() if key in adapter}
+    elif (checkpoint / "config.json").is_file():
+        found["use_peft"] = False
+    state = _json_file(checkpoint / "trainer_state.json")
+    found |= {name: state[key] for key, name in TRAINER_STATE_FIELDS.items() if key in state}
+    return found
+
+
 def data_fingerprint(dataset) -> str:
     """The training rows' count and a hash of up to FINGERPRINT_ROWS of them, evenly spaced."""
     count = len(dataset)
@@ -102,6 +133,8 @@ def _listed(changes) -> str:
 def check_relaunch(run, recorded: dict, checkpoint: Path, output_dir: Path) -> list[str]:
     """Refuse what a resume from `checkpoint` cannot continue with; return the changed names it will apply."""
     now = settings(run)
+    if keep_global_batch(run, recorded, checkpoint, output_dir):  # what a step takes is kept: compared as before
+        now["gradient_accumulation_steps"] = recorded["gradient_accumulation_steps"]
     fixed = _changes(recorded, now, [name for name in FIXED if name != "data_fingerprint"])
     if fixed:
         reasons = sorted({FIXED[name] for name, _, _ in fixed})
@@ -123,6 +156,32 @@ def check_relaunch(run, recorded: dict, checkpoint: Path, output_dir: Path) -> l
     return [name for name, _, _ in applied]
 
 
+def keep_global_batch(run, recorded: dict, checkpoint: Path, output_dir: Path) -> bool:
+    """Another process count: under DDP (a full optimizer state) the accumulation is rescaled so that each step
+    takes the same rows as before (accelerate deals batch i to process i mod N, so N processes accumulating k batches
+    take the batches one process accumulating N*k takes); said in one line. Refused where that cannot hold: a sharded
+    FSDP or ZeRO state, an accumulation that does not divide, or one changed by this relaunch too. True when
+    rescaled."""
+    from finetune.config.launch_request import requested_strategy
+
+    before, after = recorded.get("world_size"), _value(run, "world_size")
+    accumulation = recorded.get("gradient_accumulation_steps")
+    if before is None or before == after or accumulation is None:
+        return False
+    if (requested_strategy() not in ("single", "ddp") or accumulation != run.training.gradient_accumulation_steps
+            or (accumulation * before) % after):
+        raise UserError(
+            f"{output_dir}: {checkpoint.name} was trained by {before} process(es) and this relaunch runs {after}, which "
+            f"it cannot continue with under {requested_strategy()} with `gradient_accumulation_steps` "
+            f"{run.training.gradient_accumulation_steps} (the global batch and the rows each step takes would change); "
+            f"relaunch with {before} processes, or pick a new --output_dir."
+        )
+    run.training.gradient_accumulation_steps = accumulation * before // after
+    say(f"resuming {checkpoint.name} of {before} process(es) with {after}: gradient_accumulation_steps {accumulation} "
+        f"-> {run.training.gradient_accumulation_steps}, so each step takes the same rows as before.")
+    return True
+
+
 def check_data_unchanged(run, recorded: dict, checkpoint: Path | None, output_dir: Path, train_set) -> None:
     """Once the rows load (before the model): the data a checkpoint resumes into is the data it was trained on."""
     run.data_fingerprint = data_fingerprint(train_set)
@@ -140,26 +199,76 @@ class NothingLeftToTrain(Exception):
     """The checkpoint resumed from is at max_steps (its final save was cut short): nothing is left to train."""
 
 
-class ResumedRun(TrainerCallback):
+def schedule_start(checkpoint: Path | None) -> int | None:
+    """The step a new schedule starts from when resuming `checkpoint`: its own step when the schedule that wrote it
+    had ended there (a finished run trained on), the start a run trained on that way recorded, else None (the
+    checkpoint's own schedule goes on)."""
+    if checkpoint is None:
+        return None
+    state = _json_file(checkpoint / "trainer_state.json")
+    step, ended_at = state.get("global_step"), state.get("max_steps")
+    if isinstance(step, int) and isinstance(ended_at, int) and 0 < ended_at <= step:
+        return step
+    recorded = (state.get("stateful_callbacks") or {}).get(ResumedRun.__name__) or {}
+    return (recorded.get("args") or {}).get("schedule_start")
+
+
+class ResumedRun(TrainerCallback, ExportableState):
     """On a resumed run: the new logging/eval/save cadence, and with --resume_with_new_schedule the new learning rate
     (the scheduler's lambdas already follow the new arguments; its base rates and the groups' rates come from the
-    checkpoint). A run resumed at max_steps stops before the step the Trainer would otherwise train past it (its loop
-    checks max_steps only after a step)."""
+    checkpoint). A run trained on past the end of its schedule gets a new schedule over the new steps (the old one
+    ended at rate 0, where the first new step would train; its start is kept in each checkpoint's trainer_state.json
+    for a later resume). A run resumed at max_steps stops before the step the Trainer would otherwise train past it
+    (its loop checks max_steps only after a step)."""
 
-    def __init__(self, new_schedule: bool, learning_rate: float):
+    def __init__(self, new_schedule: bool, learning_rate: float, schedule_start: int | None = None):
         self.new_schedule = new_schedule
         self.learning_rate = learning_rate
+        self.schedule_start = schedule_start
+
+    def state(self) -> dict:
+        return {"args": {"new_schedule": self.new_schedule, "learning_rate": self.learning_rate,
+                         "schedule_start": self.schedule_start}, "attributes": {}}
 
     def on_train_begin(self, args, state, control, optimizer=None, lr_scheduler=None, **kwargs):
         if state.global_step == 0:
             return
         state.compute_steps(args, state.max_steps)
-        if self.new_schedule and optimizer is not None and lr_scheduler is not None:
+        if optimizer is None or lr_scheduler is None:
+            return
+        if self.schedule_start is not None and state.max_steps > self.schedule_start:
+            start_new_schedule(args, optimizer, lr_scheduler, self.schedule_start, state.max_steps)
+            if state.global_step == self.schedule_start:
+                say(f"training on past step {self.schedule_start}, where the run's schedule ended: a new "
+                    f"{getattr(args.lr_scheduler_type, 'value', args.lr_scheduler_type)} schedule over steps "
+                    f"{self.schedule_start + 1}-{state.max_steps}, without warmup, instead of its end's rate 0.")
+        if self.new_schedule:
             apply_learning_rate(optimizer, lr_scheduler, self.learning_rate)
 
     def on_step_begin(self, args, state, control, **kwargs):
         if state.global_step >= state.max_steps > 0:
             raise NothingLeftToTrain()
+
+
+def start_new_schedule(args, optimizer, lr_scheduler, start: int, max_steps: int) -> None:
+    """Give the scheduler (every group) the shape of the run's schedule over the steps from `start` to `max_steps`,
+    and set each group's rate to where it begins."""
+    import torch
+    from torch.optim.lr_scheduler import LambdaLR
+    from transformers import get_scheduler
+
+    if not isinstance(lr_scheduler, LambdaLR):  # a schedule of DeepSpeed's or one on plateaus does not end at 0
+        return
+    stand_in = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)  # get_scheduler writes to its groups
+    # no warmup: the optimizer's moments are warm already, and a warmup of the recipe's fraction of a few new steps
+    # would train the first of them at rate 0 again
+    fresh = get_scheduler(args.lr_scheduler_type, stand_in, num_warmup_steps=0, num_training_steps=max_steps - start,
+                          scheduler_specific_kwargs=args.lr_scheduler_kwargs)
+    shape = fresh.lr_lambdas[0]
+    lr_scheduler.lr_lambdas = [lambda step: shape(step - start)] * len(lr_scheduler.lr_lambdas)
+    rates = [base * factor(lr_scheduler.last_epoch) for base, factor in zip(lr_scheduler.base_lrs, lr_scheduler.lr_lambdas)]
+    for group, rate in zip(optimizer.param_groups, rates):
+        group["lr"] = rate
 
 
 def apply_learning_rate(optimizer, lr_scheduler, learning_rate: float) -> None:

@@ -6,8 +6,9 @@ import argparse
 import json
 from pathlib import Path
 
-from finetune.commands.options import add_model_arguments, check_writable_file, whole_number
+from finetune.commands.options import add_model_arguments, add_overwrite, check_writable_file, whole_number
 from finetune.errors import UserError, say
+from finetune.run_folder import recorded_run
 
 
 def _run_eval(args: argparse.Namespace, extra: list[str]) -> int:
@@ -24,14 +25,16 @@ def _run_eval(args: argparse.Namespace, extra: list[str]) -> int:
         raise UserError(f"{args.output_dir}: not a local folder, so the report has no default place "
                         f"(OUTPUT_DIR/finetune_eval.json); pass --report FILE, or fix OUTPUT_DIR.")
     report_file = args.report or str(Path(args.output_dir) / "finetune_eval.json")
-    check_writable_file(report_file, "--report")
+    check_writable_file(report_file, "--report", args.overwrite, own=args.report is None)
     loadable = [inference.check_trained(args.output_dir, args.base, args.device)]
     if args.compare:  # checked before the first model is scored, not after
         loadable.append(inference.check_trained(args.compare, None, args.device, "--compare"))
     scores = {}
     for name, checked in zip(names, loadable):
         model, tokenizer = inference.load_checked(checked)
-        scores[name] = evaluation.score(model, tokenizer, conversations, args.batch_size, args.max_new_tokens)
+        max_length = recorded_run(name).get("settings", {}).get("max_length")  # a run's rows were cut to it
+        scores[name] = evaluation.score(model, tokenizer, conversations, args.batch_size, args.max_new_tokens,
+                                        max_length, source=args.dataset_name)
         del model
     answers = {name: result.pop("answers") for name, result in scores.items()}
     Path(report_file).write_text(json.dumps({
@@ -58,5 +61,7 @@ def add_eval(subparsers) -> None:
     p.add_argument("--limit", type=whole_number(1), help="score only the first N rows")
     p.add_argument("--compare", help="a second output folder or model (e.g. the base) scored on the same rows")
     p.add_argument("--batch_size", type=whole_number(1), default=16)
-    p.add_argument("--report", help="JSON report file (default: OUTPUT_DIR/finetune_eval.json)")
+    p.add_argument("--report", help="JSON report file, a new one (default: OUTPUT_DIR/finetune_eval.json, "
+                   "replaced by each eval)")
+    add_overwrite(p)
     p.set_defaults(func=_run_eval)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from finetune.commands.options import add_model_arguments, check_writable_file, number, whole_number
+from finetune.commands.options import add_model_arguments, add_overwrite, check_writable_file, number, whole_number
 from finetune.errors import say
 
 
@@ -13,10 +13,11 @@ def _run_generate(args: argparse.Namespace, extra: list[str]) -> int:
     from finetune.run import generation as inference
 
     prompts = inference.read_prompts(args.prompts)
-    check_writable_file(args.out, "--out")
+    check_writable_file(args.out, "--out", args.overwrite)
     model, tokenizer = inference.load_trained(args.output_dir, args.base, args.device)
     generation = inference.generation_kwargs(args.temperature, args.top_p, args.max_new_tokens)
-    answers = inference.generate_answers(model, tokenizer, [turns for _, turns in prompts], args.batch_size, **generation)
+    answers = inference.generate_answers(model, tokenizer, [turns for _, turns in prompts], args.batch_size,
+                                         source=args.prompts, **generation)
     with open(args.out, "w", encoding="utf-8") as out:
         out.writelines(json.dumps({**row, "answer": answer}, ensure_ascii=False) + "\n"
                        for (row, _), answer in zip(prompts, answers))
@@ -31,7 +32,8 @@ def add_generate(subparsers) -> None:
     )
     add_model_arguments(p)
     p.add_argument("--prompts", required=True, help=".jsonl of `messages`/`prompt` rows, or plain text lines")
-    p.add_argument("--out", required=True, help="where to write the answers (.jsonl)")
+    p.add_argument("--out", required=True, help="where to write the answers (.jsonl, a new file)")
+    add_overwrite(p)
     p.add_argument("--batch_size", type=whole_number(1), default=16)
     p.add_argument("--temperature", type=number(0), default=0.0, help="0 (the default) is greedy")
     p.add_argument("--top_p", type=number(0, 1, low_allowed=False))

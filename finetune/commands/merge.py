@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 
 from finetune.config.files import blocked_folder
-from finetune.errors import UserError, first_line
+from finetune.errors import UserError, first_line, say
 
 
 def _run_merge(args: argparse.Namespace, extra: list[str]) -> int:
@@ -40,6 +40,9 @@ def merge_adapter(adapter_dir: str, output_dir: str, base_model: str | None = No
     if base_model is None:
         raise UserError(f"{adapter_dir}: no {ADAPTER_CONFIG}, so it is not a LoRA output; pass a LoRA run's "
                         f"output_dir.")
+    tokenizer_from = adapter_dir if _holds_tokenizer(Path(adapter_dir)) else base_model
+    if tokenizer_from != adapter_dir:
+        say(f"{adapter_dir} holds no tokenizer files (a plain peft adapter): the merged model gets {base_model}'s")
     kwargs = {"dtype": "auto", "use_safetensors": True}
     if mxfp4.is_mxfp4_checkpoint(base_model):  # LoRA merges into dequantized experts only
         kwargs["quantization_config"] = Mxfp4Config(dequantize=True)
@@ -52,10 +55,17 @@ def merge_adapter(adapter_dir: str, output_dir: str, base_model: str | None = No
 
     def save(folder: Path) -> None:
         merged.save_pretrained(folder)
-        AutoTokenizer.from_pretrained(adapter_dir).save_pretrained(folder)
+        AutoTokenizer.from_pretrained(tokenizer_from).save_pretrained(folder)
 
     write_aside(output, save)
     return output
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def _holds_tokenizer(folder: Path) -> bool:
+    return any((folder / name).is_file() for name in TOKENIZER_FILES)
 
 
 def check_output_folder(output: Path) -> None:

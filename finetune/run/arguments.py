@@ -154,6 +154,11 @@ class FinetuneArguments:
         metadata={"help": "Resuming with another learning_rate, lr_scheduler_type or warmup: apply them from the "
                           "resumed step (otherwise such a relaunch is refused: the checkpoint's rate would win)."},
     )
+    replace_finished_model: bool = field(
+        default=False,
+        metadata={"help": "Relaunching a finished run to train longer when it saved no checkpoint (save_strategy "
+                          "no): train again from step 0 and replace its final model (otherwise refused)."},
+    )
 
     def __post_init__(self):
         if isinstance(self.chat_template_kwargs, str):

@@ -15,7 +15,7 @@ from pathlib import Path
 from finetune import families
 from finetune.data.formats import trl_format
 from finetune.errors import say
-from finetune.run.generation import attention_for_generation, generate_answers, no_router_logits
+from finetune.run.generation import attention_for_generation, context_length, generate_answers, no_router_logits
 
 SCORES_FILE = "finetune_scores.json"
 
@@ -89,16 +89,20 @@ def _labelled(tokenizer, turns: list[dict], template: str | None) -> tuple[list[
     return ids, [-100] * start + ids[start:]
 
 
-def assistant_loss(model, tokenizer, conversations: list[list[dict]], batch_size: int = 16) -> float:
-    """Mean cross-entropy over the assistant tokens of the conversations (the tokens SFT trains on)."""
+def assistant_loss(model, tokenizer, conversations: list[list[dict]], batch_size: int = 16,
+                   max_length: int | None = None) -> float:
+    """Mean cross-entropy over the assistant tokens of the conversations (the tokens SFT trains on), each row cut to
+    its first `max_length` tokens as training cuts it (by default to the model's context)."""
     import torch
 
     template = _training_chat_template(tokenizer)
+    limit = max_length or context_length(model)
     total, count = 0.0, 0
     was_training = model.training
     model.eval()
     for start in range(0, len(conversations), batch_size):
-        rows = [_labelled(tokenizer, turns, template) for turns in conversations[start : start + batch_size]]
+        rows = [(ids[:limit], labels[:limit]) for ids, labels in
+                (_labelled(tokenizer, turns, template) for turns in conversations[start : start + batch_size])]
         width = max(len(ids) for ids, _ in rows)
         pad = tokenizer.pad_token_id
         input_ids = torch.tensor([ids + [pad] * (width - len(ids)) for ids, _ in rows], device=model.device)
@@ -114,14 +118,17 @@ def assistant_loss(model, tokenizer, conversations: list[list[dict]], batch_size
     return total / max(count, 1)
 
 
-def score(model, tokenizer, conversations: list[list[dict]], batch_size: int = 16, max_new_tokens: int = 256) -> dict:
-    """Loss and perplexity on the assistant tokens; exact match and token F1 of the regenerated last answer."""
+def score(model, tokenizer, conversations: list[list[dict]], batch_size: int = 16, max_new_tokens: int = 256,
+          max_length: int | None = None, source: str = "held-out rows") -> dict:
+    """Loss and perplexity on the assistant tokens of rows cut to `max_length` as training cuts them; exact match and
+    token F1 of the regenerated last answer (a row whose prompt exceeds the model's context scores as a miss)."""
     references = [turns[-1]["content"] for turns in conversations]
     longest = max(len(tokenizer(reference, add_special_tokens=False)["input_ids"]) for reference in references)
     with attention_for_generation(model):  # the loss's forward too: flex's kernels fail on GPT-OSS's sinks there
         answers = generate_answers(model, tokenizer, [turns[:-1] for turns in conversations], batch_size,
+                                   source=source, skip_too_long=True,
                                    max_new_tokens=min(max_new_tokens, longest + ANSWER_SLACK_TOKENS))
-        loss = assistant_loss(model, tokenizer, conversations, batch_size)
+        loss = assistant_loss(model, tokenizer, conversations, batch_size, max_length)
     return {
         "rows": len(conversations),
         "loss": round(loss, 4),
@@ -158,7 +165,7 @@ def _batch_size(model) -> int:
     return 1 if getattr(model.config, "_attn_implementation", None) == VARLEN_ATTENTION else 16
 
 
-def before_after_callback(eval_set, rows: int, tokenizer):
+def before_after_callback(eval_set, rows: int, tokenizer, max_length: int | None):
     """A callback scoring up to `rows` held-out conversations when training starts (not on resume) and ends, or
     None when there is nothing to score. Only a single process scores: generating under ZeRO-3 or FSDP would need
     every rank to take part, so multi-process runs print how to score afterwards instead."""
@@ -174,7 +181,8 @@ def before_after_callback(eval_set, rows: int, tokenizer):
 
         def on_train_begin(self, args, state, control, model=None, **kwargs):
             if args.world_size == 1 and state.global_step == 0:
-                self.scores["before"] = score(model, tokenizer, conversations, _batch_size(model))
+                self.scores["before"] = score(model, tokenizer, conversations, _batch_size(model),
+                                              max_length=max_length)
 
         def on_train_end(self, args, state, control, model=None, **kwargs):
             if state.global_step < state.max_steps:  # stopped early (SIGTERM): the run is not finished
@@ -185,7 +193,7 @@ def before_after_callback(eval_set, rows: int, tokenizer):
                         "only; score the saved model with `finetune eval OUTPUT_DIR --dataset_name DATA "
                         "--compare BASE_MODEL`.")
                 return
-            self.scores["after"] = score(model, tokenizer, conversations, _batch_size(model))
+            self.scores["after"] = score(model, tokenizer, conversations, _batch_size(model), max_length=max_length)
             self.report(args.output_dir)
 
         def report(self, output_dir: str) -> None:

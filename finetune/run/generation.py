@@ -169,9 +169,20 @@ def chat(model, tokenizer, system: str | None = None, generation: dict | None = 
         inputs = tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
         ).to(model.device)
+        length, context = inputs["input_ids"].shape[1], context_length(model)
+        if context is not None and length >= context:  # the turn is dropped; the conversation goes on without it
+            messages.pop()
+            say(f"this conversation is {length} tokens with that message and the model reads at most {context}; "
+                f"send a shorter one, or /reset to start a new conversation", stream=sys.stderr)
+            continue
+        new_tokens = generation.get("max_new_tokens", 256)
+        if context is not None and length + new_tokens > context:
+            say(f"--max_new_tokens {new_tokens} cut to {context - length}: the model reads at most {context} tokens "
+                f"and the conversation takes {length}", stream=sys.stderr)
+            new_tokens = context - length
         with torch.no_grad():
             output = model.generate(**inputs, streamer=_streamer(tokenizer, out), **no_router_logits(model),
-                                    **generation)
+                                    **{**generation, "max_new_tokens": new_tokens})
         reply = answer_text(tokenizer, output[0, inputs["input_ids"].shape[1] :])
         messages.append({"role": "assistant", "content": reply})
 
@@ -203,29 +214,69 @@ def no_router_logits(model) -> dict:
     return {"output_router_logits": False} if hasattr(model.config, "output_router_logits") else {}
 
 
+def context_length(model) -> int | None:
+    """The most tokens the model reads, prompt and answer together (its config's max_position_embeddings)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return getattr(base.config, "max_position_embeddings", None)
+
+
 def generate_answers(model, tokenizer, conversations: list[list[dict]], batch_size: int = 16,
-                     chat_template_kwargs: dict | None = None, **generation) -> list[str]:
+                     chat_template_kwargs: dict | None = None, source: str = "prompts", skip_too_long: bool = False,
+                     **generation) -> list[str]:
     """One answer per conversation (its next assistant turn), generated in left-padded batches, greedy by default,
     through the chat template with the values the model was trained with (`chat_template_kwargs`, e.g. GPT-OSS's
-    reasoning_effort)."""
-    import torch
-
+    reasoning_effort). Held to the model's context: a prompt that fills it is refused (with `skip_too_long`, answered
+    with nothing instead, scored as a miss), and max_new_tokens is cut to what is left of it, each said in one line."""
     generation = {"max_new_tokens": 256, "do_sample": False, "use_cache": True, **no_router_logits(model), **generation}
-    answers = []
+    context = context_length(model)
+    answers, cut_to, skipped = [], None, 0
     was_training = model.training
     model.eval()
     with attention_for_generation(model):
         for start in range(0, len(conversations), batch_size):
-            inputs = tokenizer.apply_chat_template(
-                conversations[start : start + batch_size], add_generation_prompt=True, return_dict=True,
-                return_tensors="pt", padding=True, tokenizer_kwargs={"padding_side": "left"},
-                **(chat_template_kwargs or {}),
-            ).to(model.device)
-            with torch.no_grad():
-                output = model.generate(**inputs, **generation)
-            answers += [answer_text(tokenizer, row[inputs["input_ids"].shape[1] :]) for row in output]
+            batch = conversations[start : start + batch_size]
+            lengths = [len(ids) for ids in tokenizer.apply_chat_template(
+                batch, add_generation_prompt=True, tokenize=True, return_dict=True,
+                **(chat_template_kwargs or {}))["input_ids"]]
+            fits = [context is None or length < context for length in lengths]
+            if not all(fits) and not skip_too_long:
+                number = start + fits.index(False) + 1
+                raise UserError(f"{source}: prompt {number} is {lengths[number - start - 1]} tokens through the chat "
+                                f"template and the model reads at most {context} (max_position_embeddings of its "
+                                f"config.json); shorten or split that prompt.")
+            skipped += fits.count(False)
+            kept = [turns for turns, fit in zip(batch, fits) if fit]
+            batch_answers = iter(_answer_batch(model, tokenizer, kept, chat_template_kwargs, generation, context)
+                                 if kept else [])
+            answers += [next(batch_answers) if fit else "" for fit in fits]
+            longest = max((length for length, fit in zip(lengths, fits) if fit), default=0)
+            if context is not None and kept and generation["max_new_tokens"] > context - longest:
+                cut_to = min(cut_to or context, context - longest)
     model.train(was_training)
+    if cut_to is not None:
+        say(f"{source}: --max_new_tokens {generation['max_new_tokens']} cut to {cut_to} where a prompt leaves less of "
+            f"the model's {context}-token context.")
+    if skipped:
+        say(f"{source}: {skipped} prompt(s) longer than the model's {context}-token context are not answered (scored "
+            f"as misses).")
     return answers
+
+
+def _answer_batch(model, tokenizer, batch: list[list[dict]], chat_template_kwargs: dict | None, generation: dict,
+                  context: int | None) -> list[str]:
+    """The answers of one batch of prompts that fit the context, new tokens cut to what the longest leaves of it."""
+    import torch
+
+    inputs = tokenizer.apply_chat_template(
+        batch, add_generation_prompt=True, return_dict=True, return_tensors="pt", padding=True,
+        tokenizer_kwargs={"padding_side": "left"}, **(chat_template_kwargs or {}),
+    ).to(model.device)
+    width = inputs["input_ids"].shape[1]
+    if context is not None:
+        generation = {**generation, "max_new_tokens": min(generation["max_new_tokens"], context - width)}
+    with torch.no_grad():
+        output = model.generate(**inputs, **generation)
+    return [answer_text(tokenizer, row[width:]) for row in output]
 
 
 @contextlib.contextmanager

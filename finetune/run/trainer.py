@@ -138,6 +138,19 @@ class SetupCheck(TrainerCallback):
             )
 
 
+class WarmupNotice(TrainerCallback):
+    """A warmup as long as the run: the Trainer's warmup trains its first step at rate 0 and never reaches the peak
+    (a one-step run then saves an untrained model), which is said before the first step."""
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        warmup = args.get_warmup_steps(state.max_steps)
+        if state.global_step == 0 and warmup >= state.max_steps > 0:
+            outcome = "trains nothing" if state.max_steps == 1 else "never reaches the learning rate"
+            say(f"warmup_steps {args.warmup_steps} is a warmup of {warmup} steps, covering all {state.max_steps} steps "
+                f"of this run: its first step trains at learning rate 0 and it {outcome}; lower warmup_steps or "
+                f"train more steps.")
+
+
 class FinetuneTrainer(SFTTrainer):
     """TRL's SFTTrainer with preemption-safe checkpoints: complete-or-skipped saves and SIGTERM as a save
     (finetune/run/saving.py)."""
@@ -171,7 +184,9 @@ def build_trainer(run: RunConfig, model: PreTrainedModel, tokenizer, train_set, 
     if in_float8 and trainer.accelerator.is_main_process:
         say(f"fp8: {len(in_float8)} linear layers train in float8 ({fp8.SCALING} scaling); the LM head, "
               f"embeddings and norms in {str(model.dtype).removeprefix('torch.')}")
-    trainer.add_callback(resume.ResumedRun(run.finetune.resume_with_new_schedule, run.training.learning_rate))
+    trainer.add_callback(resume.ResumedRun(run.finetune.resume_with_new_schedule, run.training.learning_rate,
+                                           resume.schedule_start(run.resumes_from)))
+    trainer.add_callback(WarmupNotice())
     trainer.add_callback(speed.SpeedRecord(run.training.output_dir, trainer.accelerator.is_main_process))
     if compiled:
         trainer.add_callback(compilation.CompileNotice(model, "LoRA" if run.model.use_peft else "full",
@@ -181,7 +196,8 @@ def build_trainer(run: RunConfig, model: PreTrainedModel, tokenizer, train_set, 
     trainer.add_callback(setup_check)
     if tracking.wanted(run.training):
         trainer.add_callback(tracking.MlflowRecord(run, setup_check))
-    scores = evaluation.before_after_callback(eval_set, run.finetune.eval_samples_before_after, tokenizer)
+    scores = evaluation.before_after_callback(eval_set, run.finetune.eval_samples_before_after, tokenizer,
+                                                run.training.max_length)
     if scores is not None:
         trainer.add_callback(scores)
     return trainer
