@@ -1,4 +1,4 @@
-"""LoRA on GPT-OSS's experts: the grouped path (finetune/expert_lora.py) agrees with peft's target_parameters path.
+"""LoRA on GPT-OSS's experts: the grouped path (finetune/models/expert_lora.py) agrees with peft's target_parameters path.
 
 The GPT-OSS-20B architecture cut to 2 layers, random bf16 weights on the GPU, the same rows in the same order, 20
 training steps through each path: loss curves and adapter weights, which must agree within bf16 rounding (and have the

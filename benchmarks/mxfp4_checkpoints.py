@@ -1,5 +1,5 @@
 """GPT-OSS checkpoints as the hub ships them (mixture-of-experts weights in MXFP4, everything else in bf16), written
-and read back here for the tests and benchmarks. A run only recognises one (finetune/mxfp4.py); transformers
+and read back here for the tests and benchmarks. A run only recognises one (finetune/models/mxfp4.py); transformers
 dequantizes it on load.
 
 The format (OCP Microscaling, as openai/gpt-oss-* store it): each expert matrix is stored [out, in], cut along `in`

@@ -1,7 +1,7 @@
 """The model families finetune knows, one entry each: what differs between Llama 3.2 and GPT-OSS lives here and
 nowhere else. An entry holds the hub ids of the family's checkpoints and the stored architecture of each, the tiny
-stand-in `--tiny` trains (built by finetune/tiny.py), the chat template, the reasoning format, and the planner's
-terms for a decoder layer's weights (finetune/plan.py). `family_of` says which family a model is of, and refuses a
+stand-in `--tiny` trains (built by finetune/models/tiny.py), the chat template, the reasoning format, and the planner's
+terms for a decoder layer's weights (finetune/planner/). `family_of` says which family a model is of, and refuses a
 model of none in one sentence that lists them, before anything loads.
 
 Adding a family is one entry in FAMILIES plus its files:
@@ -71,7 +71,7 @@ class Family:
     tiny: TinyModel
     reasoning: ReasoningFormat | None = None
     experts: bool = False  # mixture of experts: `experts_implementation` and `lora_target_parameters` apply
-    # The planner's terms, functions of its Architecture (finetune/plan.py):
+    # The planner's terms, functions of its Architecture (finetune/planner/):
     mlp_linears: Callable = _no_weights  # the MLP's nn.Linear layers, name -> (in, out): LoRA targets, 4-bit weights
     expert_weights: Callable = _no_weights  # one expert's weights, each with a bias, name -> (in, out)
     other_layer_parameters: Callable = _no_parameters  # a decoder layer's beyond attention, MLP and norms

@@ -5,7 +5,7 @@ Most are small functions here, each called from one visible spot; an entry that 
 private API is used instead. None runs at import. When a library fixes the problem or renames what is used, this list
 says what to revisit and which test fails first.
 
-- `FinetuneTrainer._save_checkpoint` (finetune/trainer.py, the one override of a private Trainer method)
+- `FinetuneTrainer._save_checkpoint` (finetune/run/trainer.py, the one override of a private Trainer method)
   does: runs the Trainer's save, then flushes it and writes the completeness marker; save errors become one sentence.
   why: a kill mid-save leaves a folder that looks like a complete checkpoint.
   targets: transformers 5.17-5.24 `Trainer._save_checkpoint(model, trial)`.
@@ -49,7 +49,7 @@ says what to revisit and which test fails first.
   targets: accelerate 1.15-1.16.
   guarded by: test_distributed.py::test_full_finetune_runs_the_strategy_of_its_config_file[fsdp] and
   ::test_fsdp_config_falling_back_to_ddp_stops_with_a_clear_error.
-- `expert_lora.install` (finetune/expert_lora.py)
+- `expert_lora.install` (finetune/models/expert_lora.py)
   does: swaps the class of peft's outermost `ParamWrapper` around each GPT-OSS experts module for a subclass whose
   forward runs the experts through grouped GEMMs with the LoRA factors, reading peft's `lora_A`/`lora_B` layout and
   private `_did_swap_in_out_features` as `ParamWrapper.get_delta_weight` does.
@@ -71,7 +71,7 @@ says what to revisit and which test fails first.
 - `parser_actions`
   does: reads argparse's private `parser._actions`: the options of TRL's parser with their types, nargs and choices.
   why: recipe keys are checked and typed as the command line's flags are (an unknown key named with a hint,
-  `lora_r: sixteen` refused), and argparse lists its options nowhere public. finetune/accelerate_checks.py reads
+  `lora_r: sixteen` refused), and argparse lists its options nowhere public. finetune/checks/launch.py reads
   accelerate's launcher parser the same way (`_launcher_parser()._actions`).
   targets: Python 3.11 (here) and 3.12 (the GPU image); `_actions` is as old as argparse.
   guarded by: test_bad_inputs.py::test_bad_input_is_one_sentence_naming_file_field_and_fix (the unknown-key and
@@ -85,7 +85,7 @@ says what to revisit and which test fails first.
   targets: torch 2.11 and 2.13 (`activation_memory_budget = 1.0` in torch/_functorch/config.py).
   guarded by:
   test_config.py::test_the_activation_budget_reaches_inductor_only_for_layers_compiled_without_checkpointing.
-- `GroupedExpertsLora` (finetune/expert_lora.py)
+- `GroupedExpertsLora` (finetune/models/expert_lora.py)
   does: computes the gate between the two expert projections with transformers' private `GptOssExperts._apply_gate`
   (`install` wraps only experts modules that have it) and leaves modules whose private `_is_expert_parallel` is set
   to peft's path (absent in 5.17, where getattr's False is right).
@@ -93,7 +93,7 @@ says what to revisit and which test fails first.
   transformers' forward.
   targets: transformers 5.17 and 5.25.
   guarded by: test_expert_lora.py::test_the_tiny_gpt_oss_loss_and_every_gradient_equal_peft.
-- `torch._grouped_mm` (finetune/expert_lora.py, inside the `finetune::grouped_mm*` custom operators)
+- `torch._grouped_mm` (finetune/models/expert_lora.py, inside the `finetune::grouped_mm*` custom operators)
   does: runs expert LoRA's grouped GEMMs through torch's private grouped matmul where `grouped_mm_runs` says it takes
   the operands, and a loop over the experts elsewhere (also when torch no longer has it).
   why: one GEMM per expert over rows sorted by expert, in one kernel; the one transformers'
@@ -111,25 +111,25 @@ says what to revisit and which test fails first.
   targets: transformers 5.17 and 5.25 (`GptOssExperts`, `from_config`), peft 0.21 (`ParamWrapper` reads only the
   shape, dtype and device of the placeholder).
   guarded by: tests/test_mxfp4_resident.py.
-- `model._require_grads_hook` (finetune/compilation.py, `one_graph_for_every_layer`)
+- `model._require_grads_hook` (finetune/models/compilation.py, `one_graph_for_every_layer`)
   does: reads transformers' private handle of the hook `enable_input_require_grads` registers, to register it once.
   why: transformers has no public way to ask whether input gradients are already enabled.
   targets: transformers 5.17 and 5.25.
   guarded by: nothing fails on a rename (a second, identical hook would be registered);
   test_compile_once.py::test_compiled_recipes_compile_once_for_rows_of_every_length checks what the hook is for.
-- `model.config._attn_implementation` (finetune/evaluation.py, `_batch_size`; finetune/inference.py,
+- `model.config._attn_implementation` (finetune/run/evaluation.py, `_batch_size`; finetune/run/generation.py,
   `attention_for_generation`)
   does: reads which attention the loaded model runs: a model trained with `torch_varlen` generates one row at a time,
   one trained with `flex_attention` generates with eager attention.
   why: transformers keeps the choice in this private property only.
   targets: transformers 5.17 and 5.25 (a property of `PreTrainedConfig`).
   guarded by: no test yet; on a rename getattr's None would batch 16 left-padded rows through `torch_varlen`.
-- `torch._dynamo.utils.counters` (finetune/speed.py, `compiled_graphs`)
+- `torch._dynamo.utils.counters` (finetune/run/speed.py, `compiled_graphs`)
   does: reads dynamo's private count of the graphs it built (`counters["stats"]["unique_graphs"]`).
   why: recompilations are what finetune_speed.json shows first; torch has no public count.
   targets: torch 2.11 and 2.13.
   guarded by: test_compile_once.py::test_compiled_recipes_compile_once_for_rows_of_every_length.
-- `resume.apply_learning_rate` (finetune/resume.py, `--resume_with_new_schedule`)
+- `resume.apply_learning_rate` (finetune/checks/resume.py, `--resume_with_new_schedule`)
   does: rewrites the Trainer's LambdaLR `base_lrs` and each optimizer group's `initial_lr` and `lr`, reading
   `lr_lambdas` and `last_epoch`: no underscore, but the scheduler's state, not an interface for changing it.
   why: the resumed checkpoint restores the old schedule; scaling its base rates keeps its shape at the new rate.

@@ -4,7 +4,7 @@ else rebuilds the run's order.
 
     accelerate launch [--config_file accelerate_configs/NAME.yaml] scripts/sft.py --config recipes/MODEL/METHOD.yaml
 
-With no arguments it trains the tiny Llama on the bundled sample data (finetune/config.py DEFAULT_ARGS).
+With no arguments it trains the tiny Llama on the bundled sample data (finetune/run/arguments.py DEFAULT_ARGS).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
     accelerate launch [--config_file accelerate_configs/NAME.yaml] scripts/sft.py --config recipes/MODEL/METHOD.yaml [--tiny]
 
-With no arguments it trains the tiny Llama on the bundled sample data (see finetune/config.py DEFAULT_ARGS).
+With no arguments it trains the tiny Llama on the bundled sample data (see finetune/run/arguments.py DEFAULT_ARGS).
 """
 
 from finetune.errors import exit_on_user_error

@@ -1,4 +1,4 @@
-"""`attn_implementation: torch_varlen` (finetune/attention.py) against a dense reference written out by hand: every
+"""`attn_implementation: torch_varlen` (finetune/models/attention.py) against a dense reference written out by hand: every
 document of a packed row attends causally to itself only, whichever path the row takes."""
 
 from types import SimpleNamespace

@@ -313,7 +313,7 @@ def test_lora_saves_the_single_process_adapter(runs, config):
     assert loss_difference <= LOSS_RTOL, (run.losses, reference.losses)
     adapter, expected = reload_adapter(run.output_dir, "gpt-oss"), reload_adapter(reference.output_dir, "gpt-oss")
     assert any("experts" in name for name in adapter), sorted(adapter)[:6]
-    grouped = "[finetune] expert LoRA: grouped GEMMs in 2 experts modules"  # finetune/expert_lora.py, not peft's W + BA
+    grouped = "[finetune] expert LoRA: grouped GEMMs in 2 experts modules"  # finetune/models/expert_lora.py, not peft's W + BA
     assert grouped in run.output and grouped in reference.output, run.output[-3000:]
     untrained = [name for name, tensor in adapter.items() if "lora_B" in name and tensor.abs().max() == 0]
     assert not untrained, f"lora_B still zero (untrained) in {untrained[:4]}"

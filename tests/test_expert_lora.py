@@ -1,4 +1,4 @@
-"""The grouped expert LoRA (finetune/expert_lora.py) computes what peft's target_parameters path computes, on the tiny
+"""The grouped expert LoRA (finetune/models/expert_lora.py) computes what peft's target_parameters path computes, on the tiny
 GPT-OSS in float32: outputs and the gradients of the input, the routing weights and both LoRA factors of both expert
 weights, for several routings; its adapter is peft's; it traces whole under torch.compile.
 

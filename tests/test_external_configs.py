@@ -2,7 +2,7 @@
 their repositories ship them (tests/data/external/configs/README.md): each runs as it says, or is refused in one
 sentence before the model loads, under `finetune launch` and `accelerate launch` alike.
 
-A file meets two checks (finetune/accelerate_checks.py): `finetune launch` reads it before handing over to accelerate,
+A file meets two checks (finetune/checks/launch.py): `finetune launch` reads it before handing over to accelerate,
 and every training process reads it again from its launcher's command line and compares it with the recipe. Both run
 here in this process, the second given the command line an `accelerate launch` would have had; the DeepSpeed JSONs
 meet `recipe_checks.check_deepspeed_agrees`. One real `accelerate launch` (TRL's single_gpu.yaml) shows a training process

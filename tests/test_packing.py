@@ -16,7 +16,7 @@ def test_the_gpt_oss_recipes_pack_their_rows():
 
 
 def test_packed_gpt_oss_rows_give_the_padded_rows_loss_and_gradients():
-    """On CPU the recipe's flex_attention runs as eager attention (finetune/cpu.py), with the same masks."""
+    """On CPU the recipe's flex_attention runs as eager attention (finetune/models/cpu.py), with the same masks."""
     config = tiny.tiny_config("gpt-oss", tiny.build_tiny_tokenizer("gpt-oss"))
     window = config.sliding_window
     assert "sliding_attention" in config.layer_types and "full_attention" in config.layer_types

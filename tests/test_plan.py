@@ -492,7 +492,7 @@ def test_planning_reads_the_runs_defaults_without_importing_torch_transformers_o
     (["--max_steps", "0"], "`max_steps: 0` must be above 0, or -1 to train num_train_epochs"),
 ])
 def test_the_planner_refuses_the_numbers_the_run_refuses_instead_of_planning_them(flags, sentence):
-    """`finetune plan` printed a launch command for each of these, which the run then refused (finetune/numbers.py
+    """`finetune plan` printed a launch command for each of these, which the run then refused (finetune/config/numbers.py
     holds the one set of ranges)."""
     with pytest.raises(UserError) as refused:
         planner_setup.setup_from_recipe(planner_setup.recipe_with_flags("recipes/llama-3.2-1b/lora.yaml", flags),

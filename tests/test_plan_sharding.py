@@ -2,7 +2,7 @@
 
 Each strategy is one real `accelerate launch --config_file accelerate_configs/X.yaml --num_processes 2` of
 tests/sharding_probe.py (scripts/sft.py's path, then trainer.train() for one step of the tiny Llama of
-recipes/llama-3.2-1b/full.yaml), which writes what each rank holds into one file per rank. The expected numbers come from finetune/plan.py:
+recipes/llama-3.2-1b/full.yaml), which writes what each rank holds into one file per rank. The expected numbers come from finetune/planner/:
 its parameter count for the tiny model's config.json (`architecture.total_params`) and its per-GPU `weights` / `optimizer`
 parts (`memory.estimate`), with the rounding each implementation really applies when it splits P elements over n ranks:
 
@@ -20,7 +20,7 @@ parts (`memory.estimate`), with the rounding each implementation really applies 
 
 On the tiny Llama (hidden 64, kv dim 32, intermediate 128, vocab 1000, tied embeddings) every dim 0 and P = 138048 are
 multiples of 2*n = 4, so all three rules give exactly P/n = 69024 elements per rank, which is the planner's
-`total_params / n`. Bytes: the CPU run trains in float32 (finetune/cpu.py turns bf16 off), so every tensor here is
+`total_params / n`. Bytes: the CPU run trains in float32 (finetune/models/cpu.py turns bf16 off), so every tensor here is
 4 bytes per element. The planner's FSDP2 weights (fp32, accelerate upcasts) and all optimizer parts (fp32 master +
 2 fp32 moments under DeepSpeed, 2 moments in the parameter dtype under FSDP2) are dtype-exact and compared in bytes.
 Its DeepSpeed `weights` part assumes bf16 (2 bytes per element, hard-coded in memory.estimate): it is compared as an

@@ -299,7 +299,7 @@ def test_a_warmup_covering_the_whole_run_is_said(tmp_path, capsys):
 
 
 # The comparison table of finetune/checks/resume.py, field by field: each case below is generated from it, and the
-# README's table must name the same fields the same way, so a field deleted from resume.py fails here.
+# README's table must name the same fields the same way, so a field deleted from checks/resume.py fails here.
 TABLE = {**{name: "refused" for name in resume.FIXED}, **{name: "schedule" for name in resume.SCHEDULE},
          **{name: "applied" for name in resume.CHANGEABLE}}
 COMPARED_ONCE_THE_ROWS_LOAD = "data_fingerprint"

@@ -126,7 +126,7 @@ def test_under_checkpointing_a_layer_with_a_graph_break_is_still_compiled_once_f
 def cpu_offloading(monkeypatch):
     """TRL's activation offloading with the CPU standing in for the GPU: every offloaded tensor is copied into a new
     CPU tensor and copied back in backward, without pinned memory or a second stream (both need a GPU; on a machine
-    without one the recipes turn `activation_offloading` off, finetune/cpu.py). Returns the context and the log of
+    without one the recipes turn `activation_offloading` off, finetune/models/cpu.py). Returns the context and the log of
     (phase, shape) of every tensor it offloaded."""
     import types
 

@@ -293,7 +293,7 @@ def _check_fp8(request: LaunchRequest) -> None:
     backend = request.value("fp8_backend") or "Transformer Engine, MS-AMP or torchao"
     raise UserError(f"{request.source}: {written} asks for accelerate's FP8 ({backend}), which this toolkit does not "
                     f"use; remove mixed_precision: fp8 and fp8_config from that file and set `fp8: true` in the recipe "
-                    f"(float8 through torchao, finetune/fp8.py).")
+                    f"(float8 through torchao, finetune/models/fp8.py).")
 
 
 def check_run(run) -> None:
@@ -376,7 +376,7 @@ def _check_deepspeed_fields(request: LaunchRequest, training) -> None:
 
 def _compilation_contradiction(request: LaunchRequest, training) -> list[str]:
     """A dynamo backend in the file compiles the whole model in accelerate. This toolkit compiles through the recipe's
-    torch_compile (finetune/compilation.py), and lets the file's dynamo_config decide only where it compiles the
+    torch_compile (finetune/models/compilation.py), and lets the file's dynamo_config decide only where it compiles the
     whole model itself: compiled, without checkpointing."""
     backend = str(request.value("dynamo_backend") or "no").upper()
     if backend == "NO":

@@ -123,7 +123,7 @@ def check_mlflow_installed(training, source: str) -> None:
         )
 
 
-# transformers' reporting integrations that need a package of their own, and its name on PyPI (mlflow: tracking.py)
+# transformers' reporting integrations that need a package of their own, and its name on PyPI (mlflow: run/tracking.py)
 REPORTING_PACKAGES = {"wandb": "wandb", "tensorboard": "tensorboard", "comet_ml": "comet-ml", "neptune": "neptune",
                       "clearml": "clearml", "dvclive": "dvclive", "codecarbon": "codecarbon", "swanlab": "swanlab",
                       "trackio": "trackio"}
@@ -202,7 +202,7 @@ def check_optimizer_installed(training, source: str) -> None:
 
 def check_attention(model, source: str) -> None:
     """An attention implementation transformers knows (a kernel of its own, a `paged|` one, a hub kernel's id) or
-    this toolkit's varlen kernel (attention.py)."""
+    this toolkit's varlen kernel (models/attention.py)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     from finetune.models.attention import VARLEN_ATTENTION

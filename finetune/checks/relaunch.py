@@ -12,7 +12,7 @@ from finetune.run_folder import RUN_RECORD, recorded_run
 
 
 def check_resume_checkpoint(run) -> None:
-    """--resume_from_checkpoint must name a complete checkpoint (see finetune/checkpoints.py)."""
+    """--resume_from_checkpoint must name a complete checkpoint (see finetune/run/saving.py)."""
     from finetune import run_folder
 
     requested = run.training.resume_from_checkpoint

@@ -6,7 +6,7 @@ then hand over to `accelerate launch ... scripts/sft.py` with it.
 `accelerate launch` reads its config file before any of our code runs, so a typo there (broken YAML, an unknown
 `distributed_type`, a misspelled key, a missing DeepSpeed JSON) ends in accelerate's own traceback. Here the same file
 is read first with accelerate's own loader and every problem becomes one sentence naming the file, the field and the
-fix, with exit code 2; so does a field this toolkit would not run as asked (finetune/accelerate_checks.py, which every
+fix, with exit code 2; so does a field this toolkit would not run as asked (finetune/checks/launch.py, which every
 training process runs again against the recipe). Everything after the launcher flags goes to scripts/sft.py unchanged.
 A run a SIGTERM stopped exits 143 (see `run_and_report`).
 """
@@ -216,7 +216,7 @@ def run_and_report(command: list[str]) -> tuple[int, str | None, str | None]:
         outcome_file = Path(folder) / "outcome.json"
         environment = {**os.environ, outcome.OUTCOME_FILE: str(outcome_file)}
         arguments = arguments_after_accelerate_launch(command)
-        if arguments is not None:  # the training processes check them against the recipe (accelerate_checks.py)
+        if arguments is not None:  # the training processes check them against the recipe (checks/launch.py)
             environment[LAUNCH_ARGUMENTS] = json.dumps(arguments)
         code = _run_showing_output(command, environment)
         ended = outcome.read(outcome_file)

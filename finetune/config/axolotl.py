@@ -105,7 +105,7 @@ WANDB_ENVIRONMENT = {"wandb_project": "WANDB_PROJECT", "wandb_entity": "WANDB_EN
 
 
 # `datasets` entries: the keys read in every entry and in those of a row type, the row types whose rows are
-# conversations, and the turn keys of finetune's row readers (data_formats.py) with the column each is read from
+# conversations, and the turn keys of finetune's row readers (data/formats.py) with the column each is read from
 SOURCE_KEYS = {"path", "name", "split", "type"}
 
 

@@ -206,7 +206,7 @@ def read_foreign_keys(recipe: dict, recipe_path: str, stream=None) -> dict:
     """alignment-handbook's and TRL's recipe keys that mean a setting of finetune's under another shape, in that
     shape; and those that transformers 5 and TRL 1.x no longer read, left out where that changes nothing. One line
     says what was read how. The other keys of those recipes are TRL's own (RENAMED_KEYS: read_recipe). An axolotl
-    recipe is read in finetune's names first (finetune/axolotl_recipes.py)."""
+    recipe is read in finetune's names first (finetune/config/axolotl.py)."""
     from finetune.config.axolotl import read_axolotl_recipe
 
     recipe, notes = read_axolotl_recipe(recipe, recipe_path)

@@ -27,7 +27,7 @@ RUN_DATACLASSES = (
 COMPUTED_DEFAULTS = {"optim": "adamw_torch_fused"}  # TrainingArguments: the fused AdamW from torch 2.8 on
 
 
-# One setting under two names (transformers 5.2x renamed it); the run reads either (finetune/config.py)
+# One setting under two names (transformers 5.2x renamed it); the run reads either (finetune/run/arguments.py)
 CHECKPOINTING_NAMES = ("gradient_checkpointing", "activation_checkpointing")
 
 

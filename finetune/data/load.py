@@ -1,6 +1,6 @@
 """The training data: a hub id, a local folder or a local file (each data file of a folder checked as a file),
 loaded with `datasets` into one of TRL's formats (`messages`, `prompt`/`completion`, `text`), mixtures and test
-splits, and every row checked (finetune/row_checks.py) before a model is loaded.
+splits, and every row checked (finetune/data/rows.py) before a model is loaded.
 
 Chat formatting, tokenization, packing and loss masking are TRL's; this module only finds the data.
 """

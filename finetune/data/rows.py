@@ -1,7 +1,7 @@
 """Every row checked before a model is loaded: rows TRL would silently mis-train on are refused (an empty assistant
 turn, a conversation that never lets the assistant speak, content that is not text, turns out of order, a turn the
 chat template fails on or drops text of), and the rows whose whole answer TRL's truncation would cut away are
-counted. Shared by the training data (data.py) and `finetune generate`'s prompts (inference.py).
+counted. Shared by the training data (data.py) and `finetune generate`'s prompts (run/generation.py).
 """
 
 import json

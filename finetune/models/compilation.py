@@ -14,7 +14,7 @@ frame it silently runs eagerly. On chat rows of varied length three things made 
   (`enable_input_require_grads`, as transformers does for checkpointed adapters): one extra input-gradient in the first
   layer's backward instead of a second compilation.
 - a packed row's maximum document length reaches the attention as a Python int; compiled with dynamic shapes it is
-  symbolic (finetune/attention.py takes it as it is, without reading it back from the GPU).
+  symbolic (finetune/models/attention.py takes it as it is, without reading it back from the GPU).
 """
 
 import json

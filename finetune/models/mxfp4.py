@@ -1,6 +1,6 @@
 """GPT-OSS checkpoints as the hub ships them: mixture-of-experts weights in MXFP4, everything else in bf16. A run only
-needs to recognise one: loading then asks transformers to dequantize it (finetune/model.py), and a LoRA merge goes
-into the dequantized experts (finetune/merge.py). The format itself, with a writer and an independent reader for the
+needs to recognise one: loading then asks transformers to dequantize it (finetune/run/model.py), and a LoRA merge goes
+into the dequantized experts (finetune/commands/merge.py). The format itself, with a writer and an independent reader for the
 tests and benchmarks, is in benchmarks/mxfp4_checkpoints.py.
 """
 

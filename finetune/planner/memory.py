@@ -151,7 +151,7 @@ def layer_activation_bytes_per_token(a: Architecture, s: Setup) -> float:
                 lora += in_features * 3
             lora += s.lora_r * 2  # lora_A's output
         if a.is_moe and s.expert_lora_kernel == "grouped":
-            # finetune/expert_lora.py keeps each adapted expert GEMM's input (in expert order, one row per active
+            # finetune/models/expert_lora.py keeps each adapted expert GEMM's input (in expert order, one row per active
             # expert) and its rank-r projection for the factors' gradients: 8.4 GiB on GPT-OSS-20B at 4 x 2048
             lora += a.experts_per_token * sum(2 * in_features + 2 * s.lora_r
                                               for in_features, _ in lora_expert_targets(a, s).values())
@@ -164,7 +164,7 @@ def layer_activation_bytes_per_token(a: Architecture, s: Setup) -> float:
 
 def adapted_expert_weight_bytes(a: Architecture, s: Setup) -> float:
     """peft's ParamWrapper adds B@A to a 3-D expert weight in the forward: the merged weight is saved per layer.
-    The grouped path (finetune/expert_lora.py) never forms it."""
+    The grouped path (finetune/models/expert_lora.py) never forms it."""
     if s.expert_lora_kernel == "grouped":
         return 0.0
     return sum(a.experts * i * o * 2 for i, o in lora_expert_targets(a, s).values())

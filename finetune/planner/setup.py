@@ -44,9 +44,9 @@ class Setup:
     use_liger_kernel: bool = False
     attn_implementation: str = "sdpa"
     torch_compile: bool = False
-    fp8: bool = False  # finetune/fp8.py: the decoder's linear layers in float8, compiled
+    fp8: bool = False  # finetune/models/fp8.py: the decoder's linear layers in float8, compiled
     activation_memory_budget: float = 1.0  # inductor's cap on what a compiled layer saves (1: what it saves by default)
-    expert_lora_kernel: str = "grouped"  # grouped | peft (finetune/expert_lora.py)
+    expert_lora_kernel: str = "grouped"  # grouped | peft (finetune/models/expert_lora.py)
 
     @property
     def tokens(self) -> int:
@@ -87,7 +87,7 @@ def _checkpointing(values: dict, source: str) -> bool:
 def setup_from_recipe(values: dict, source: str = "recipe") -> Setup:
     """The planner's terms for a recipe's values (read_recipe's or recipe_with_flags'): a key the recipe leaves out
     at the run's default (run_defaults), each value read as the run reads it and one the run would refuse refused in
-    a sentence naming `source`. The CPU's replacements (finetune/cpu.py) are not applied: the plan is for GPUs."""
+    a sentence naming `source`. The CPU's replacements (finetune/models/cpu.py) are not applied: the plan is for GPUs."""
     model = _run_value(values, "model_name_or_path", source)
     if not model:
         raise UserError(f"{source}: `model_name_or_path` is not set; give a hub id or a local folder.")

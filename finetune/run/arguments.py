@@ -181,7 +181,7 @@ class RunConfig:
     explicit_keys: set[str]
     env: dict[str, str] = field(default_factory=dict)
     data_sources: dict = field(default_factory=dict)  # rows taken from each dataset, filled when the data loads
-    data_fingerprint: str | None = None  # the training rows' count and hash (finetune/resume.py), once they load
+    data_fingerprint: str | None = None  # the training rows' count and hash (finetune/checks/resume.py), once they load
     # On a relaunch, found by check_output_dir: the settings the output folder's run record keeps, and the checkpoint
     # this launch resumes from
     recorded_settings: dict = field(default_factory=dict)

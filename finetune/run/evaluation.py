@@ -3,7 +3,7 @@ and after training.
 
 On conversations whose last turn is the assistant's: loss and perplexity on the assistant tokens only (the tokens
 TRL's SFTTrainer trains on with `assistant_only_loss`, masked by the same training chat template), and, the last
-assistant turn generated greedily from the turns before it (finetune/inference.py), exact match and token-level F1
+assistant turn generated greedily from the turns before it (finetune/run/generation.py), exact match and token-level F1
 against it.
 """
 
@@ -157,7 +157,7 @@ def examples(conversations: list[list[dict]], answers_by_model: dict[str, list[s
 
 
 def _batch_size(model) -> int:
-    """`torch_varlen` attention (finetune/attention.py) ignores the padding mask of unpacked rows, right for the
+    """`torch_varlen` attention (finetune/models/attention.py) ignores the padding mask of unpacked rows, right for the
     right-padded rows of training but not for left-padded generation: a model trained with it generates one row at
     a time."""
     from finetune.models.attention import VARLEN_ATTENTION

@@ -1,5 +1,5 @@
 """After training: load an output folder (a full model, or a LoRA adapter on its base), chat with it, and answer
-prompts, one or a file of them in batches. Scoring is finetune/evaluation.py's.
+prompts, one or a file of them in batches. Scoring is finetune/run/evaluation.py's.
 """
 
 import contextlib
