@@ -71,6 +71,9 @@ class Family:
     tiny: TinyModel
     reasoning: ReasoningFormat | None = None
     experts: bool = False  # mixture of experts: `experts_implementation` and `lora_target_parameters` apply
+    mxfp4_hub_checkpoints: bool = False  # its hub checkpoints store the experts in MXFP4
+    # the model class that builds its attention masks without the position ids (packed rows need them: patches.py)
+    masks_without_positions: str | None = None
     # The planner's terms, functions of its Architecture (finetune/planner/):
     mlp_linears: Callable = _no_weights  # the MLP's nn.Linear layers, name -> (in, out): LoRA targets, 4-bit weights
     expert_weights: Callable = _no_weights  # one expert's weights, each with a bias, name -> (in, out)
@@ -138,6 +141,8 @@ FAMILIES = {family.name: family for family in (
         ),
         reasoning=HARMONY,
         experts=True,
+        mxfp4_hub_checkpoints=True,
+        masks_without_positions="GptOssModel",
         expert_weights=gpt_oss_expert,
         other_layer_parameters=gpt_oss_router_and_sinks,
     ),

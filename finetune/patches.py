@@ -38,6 +38,17 @@ says what to revisit and which test fails first.
   MLflow: 2.1 s of the tiny default run's 16 s before its first step (`python -X importtime`).
   targets: accelerate 1.15-1.16, transformers 5.17-5.24 (`is_deepspeed_available` via importlib.util.find_spec).
   guarded by: tests/test_first_step.py.
+- `no_split_modules`, `launcher_flags_given`
+  does: reads transformers' `_no_split_modules` (the decoder layer classes, named when an FSDP wrap class matches
+  none) and the `nondefault` set accelerate's launch parser fills (which flags the command line gave).
+  targets: transformers 5.17-5.25, accelerate 1.15-1.16.
+  guarded by: tests/test_external_configs.py (the FSDP wrap refusal, the launch request of each outside file).
+- `keep_packed_documents_apart`
+  does: a forward pre-hook on the model class a family names (`masks_without_positions`, GPT-OSS's `GptOssModel`)
+  that builds its full and sliding-window masks from the position ids with transformers' own mask functions.
+  why: GPT-OSS builds its masks without the position ids, so in a packed row each conversation would attend to those
+  before it.  targets: transformers 5.17-5.25.
+  guarded by: tests/test_attention.py.
 - `exit_without_teardown`
   does: runs the atexit handlers, flushes, then `os._exit(0)` at the end of a multi-process run.
   why: gloo's worker threads aborted a finished rank at interpreter teardown in about 1 of 100 CPU launches.
@@ -145,6 +156,8 @@ import os
 import sys
 from functools import partial
 from pathlib import Path
+
+from finetune.families import FAMILIES
 
 
 @contextlib.contextmanager
@@ -274,3 +287,41 @@ def skip_unused_deepspeed(training) -> None:
         del sys.modules["deepspeed"]
     elif not uses_deepspeed:
         sys.modules.setdefault("deepspeed", None)
+
+
+def no_split_modules(model) -> list[str]:
+    """The decoder layer classes transformers keeps whole (`PreTrainedModel._no_split_modules`)."""
+    return list(getattr(model, "_no_split_modules", None) or [])
+
+
+def launcher_flags_given(args) -> set[str]:
+    """The flags of `accelerate launch` given on its command line, as accelerate's parser records them
+    (`nondefault`, set by its `_StoreAction`s)."""
+    return set(getattr(args, "nondefault", set()))
+
+
+def keep_packed_documents_apart(model) -> None:
+    """GPT-OSS builds its masks without the position ids (transformers 5.17 to 5.25), so in a packed row every
+    conversation would attend to the ones before it. A pre-hook builds its full and sliding-window masks from the
+    position ids instead (transformers' own mask functions: each conversation attends only to itself, the window
+    counted within it; the sinks are the attention's), once per batch and outside the compiled layers."""
+    classes = {family.masks_without_positions for family in FAMILIES.values() if family.masks_without_positions}
+    for module in model.modules():
+        if type(module).__name__ in classes:
+            module.register_forward_pre_hook(_masks_from_positions, with_kwargs=True)
+
+
+def _masks_from_positions(module, args, kwargs):
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    position_ids, input_ids = kwargs.get("position_ids"), kwargs.get("input_ids")
+    caching = kwargs.get("use_cache") or kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None
+    if args or position_ids is None or input_ids is None or kwargs.get("attention_mask") is not None or caching:
+        return None
+    embeddings = module.embed_tokens(input_ids)
+    masks = {
+        "full_attention": create_causal_mask(module.config, embeddings, None, None, position_ids=position_ids),
+        "sliding_attention": create_sliding_window_causal_mask(module.config, embeddings, None, None,
+                                                                position_ids=position_ids),
+    }
+    return args, {**kwargs, "input_ids": None, "inputs_embeds": embeddings, "attention_mask": masks}

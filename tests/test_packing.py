@@ -5,8 +5,9 @@ import torch
 from transformers import AutoModelForCausalLM
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
+from finetune import patches
 from finetune.config.files import read_recipe
-from finetune.models import attention, tiny
+from finetune.models import tiny
 from tests.helpers import ROOT
 
 
@@ -34,7 +35,7 @@ def test_packed_gpt_oss_rows_give_the_padded_rows_loss_and_gradients():
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
         model.train()
-        attention.keep_packed_documents_apart(model)
+        patches.keep_packed_documents_apart(model)
         inputs = {key: value for key, value in batch.items() if key in ("input_ids", "attention_mask", "position_ids",
                                                                           "labels")}
         loss = model(**inputs, use_cache=False).loss  # as TRL trains: with a cache the packed rows are not seen

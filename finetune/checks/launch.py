@@ -114,7 +114,7 @@ def request_from_command(arguments: list[str], default_file: str | None) -> Laun
         args = _launcher_parser().parse_args(arguments)
     except SystemExit:
         return None
-    given = getattr(args, "nondefault", set()) - {"config_file", "training_script", "training_script_args", "quiet"}
+    given = patches.launcher_flags_given(args) - {"config_file", "training_script", "training_script_args", "quiet"}
     flags = {name: getattr(args, name) for name in sorted(given)}
     default_found = default_file and Path(default_file).is_file() and not args.cpu
     file = args.config_file or (default_file if default_found else None)

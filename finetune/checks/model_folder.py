@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from finetune import families, run_folder
+from finetune import families, patches, run_folder
 from finetune.config.launch_request import accelerate_config_file
 from finetune.errors import UserError
 from finetune.models import tiny
@@ -217,7 +217,7 @@ def check_fsdp_wrap(model_path: str, name: str) -> None:
     classes = {type(module).__name__ for module in skeleton.modules()}
     missing = [cls for cls in wanted if cls not in classes]
     if missing:
-        layers = ", ".join(getattr(skeleton, "_no_split_modules", None) or sorted(classes))
+        layers = ", ".join(patches.no_split_modules(skeleton) or sorted(classes))
         raise UserError(f"{accelerate_config_file()}: `fsdp_transformer_layer_cls_to_wrap: {','.join(wanted)}` names "
                         f"{', '.join(missing)}, which {name} does not have (its decoder layers: {layers}); "
                         f"remove the field to wrap each decoder layer, as accelerate_configs/fsdp.yaml does.")

@@ -95,29 +95,3 @@ def varlen_attention_forward(module, query, key, value, attention_mask, dropout=
 def register() -> None:
     """Make `attn_implementation="torch_varlen"` known to transformers (before from_pretrained)."""
     AttentionInterface.register(VARLEN_ATTENTION, varlen_attention_forward)
-
-
-def keep_packed_documents_apart(model) -> None:
-    """GPT-OSS builds its masks without the position ids (transformers 5.17 to 5.25), so in a packed row every
-    conversation would attend to the ones before it. A pre-hook builds its full and sliding-window masks from the
-    position ids instead (transformers' own mask functions: each conversation attends only to itself, the window
-    counted within it; the sinks are the attention's), once per batch and outside the compiled layers."""
-    for module in model.modules():
-        if type(module).__name__ == "GptOssModel":
-            module.register_forward_pre_hook(_masks_from_positions, with_kwargs=True)
-
-
-def _masks_from_positions(module, args, kwargs):
-    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
-
-    position_ids, input_ids = kwargs.get("position_ids"), kwargs.get("input_ids")
-    caching = kwargs.get("use_cache") or kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None
-    if args or position_ids is None or input_ids is None or kwargs.get("attention_mask") is not None or caching:
-        return None
-    embeddings = module.embed_tokens(input_ids)
-    masks = {
-        "full_attention": create_causal_mask(module.config, embeddings, None, None, position_ids=position_ids),
-        "sliding_attention": create_sliding_window_causal_mask(module.config, embeddings, None, None,
-                                                                position_ids=position_ids),
-    }
-    return args, {**kwargs, "input_ids": None, "inputs_embeds": embeddings, "attention_mask": masks}

@@ -7,7 +7,7 @@ tests and benchmarks, is in benchmarks/mxfp4_checkpoints.py.
 import json
 from pathlib import Path
 
-HUB_CHECKPOINT_PREFIX = "openai/gpt-oss-"
+from finetune.families import FAMILIES
 
 
 def is_mxfp4_checkpoint(model_name_or_path: str) -> bool:
@@ -19,4 +19,4 @@ def is_mxfp4_checkpoint(model_name_or_path: str) -> bool:
         except (ValueError, AttributeError):  # a damaged config.json: model.check_model names it
             return False
         return quantization.get("quant_method") == "mxfp4"
-    return model_name_or_path.startswith(HUB_CHECKPOINT_PREFIX)
+    return any(family.mxfp4_hub_checkpoints and model_name_or_path in family.hub_ids for family in FAMILIES.values())

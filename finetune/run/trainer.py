@@ -16,7 +16,7 @@ from finetune.checks import resume
 from finetune.checks.relaunch import run_identity, training_length
 from finetune.config.launch_request import accelerate_config_file, requested_strategy
 from finetune.errors import UserError, say
-from finetune.models import attention, compilation, expert_lora, fp8
+from finetune.models import compilation, expert_lora, fp8
 from finetune.run import evaluation, out_of_memory, saving, speed, tracking
 from finetune.run import generation as inference
 from finetune.run import model as model_loading
@@ -179,7 +179,7 @@ def build_trainer(run: RunConfig, model: PreTrainedModel, tokenizer, train_set, 
         callbacks=compilation.compile_per_layer(run.training),
     )
     compilation.one_graph_for_every_layer(trainer.model, compiled)
-    attention.keep_packed_documents_apart(trainer.model)
+    patches.keep_packed_documents_apart(trainer.model)
     expert_lora.use_kernel(trainer, run.finetune.expert_lora_kernel)
     if in_float8 and trainer.accelerator.is_main_process:
         say(f"fp8: {len(in_float8)} linear layers train in float8 ({fp8.SCALING} scaling); the LM head, "
