@@ -71,6 +71,7 @@ class Family:
     tiny: TinyModel
     reasoning: ReasoningFormat | None = None
     experts: bool = False  # mixture of experts: `experts_implementation` and `lora_target_parameters` apply
+    mxfp4_hub_checkpoints: bool = False  # its hub ids store the experts in MXFP4 (their stored configs do not say so)
     # The planner's terms, functions of its Architecture (finetune/plan.py):
     mlp_linears: Callable = _no_weights  # the MLP's nn.Linear layers, name -> (in, out): LoRA targets, 4-bit weights
     expert_weights: Callable = _no_weights  # one expert's weights, each with a bias, name -> (in, out)
@@ -138,6 +139,7 @@ FAMILIES = {family.name: family for family in (
         ),
         reasoning=HARMONY,
         experts=True,
+        mxfp4_hub_checkpoints=True,
         expert_weights=gpt_oss_expert,
         other_layer_parameters=gpt_oss_router_and_sinks,
     ),
