@@ -187,13 +187,15 @@ def suggestions(a: Architecture, s: Setup, world: int, gpus_per_node: int, budge
         lora = replace(s, method="lora", lora_target_modules=("all-linear",))
         if fits(lora):
             out.append("LoRA instead of full fine-tuning: --use_peft true --lora_target_modules all-linear")
-    if s.method != "full" and s.lora_r > 1:
-        eight_bit = replace(s, optim="adamw_8bit")  # bitsandbytes' (a dependency); torchao's needs the fp8 extra
-        for optimizer in (s, eight_bit) if "8bit" not in s.optim else (s,):
-            rank = next((r for r in range(s.lora_r - 1, 0, -1) if fits(replace(optimizer, lora_r=r))), None)
-            if rank is not None:
-                out.append(f"a smaller LoRA rank: --lora_r {rank}" + ("" if optimizer is s else " --optim adamw_8bit"))
-                break
+    if s.method != "full":
+        # The largest rank below the recipe's that fits, with its optimizer or with bitsandbytes' 8-bit AdamW (a
+        # dependency; torchao's needs the fp8 extra), whichever allows the larger rank
+        options = [(s, "")] + ([] if "8bit" in s.optim else [(replace(s, optim="adamw_8bit"), " --optim adamw_8bit")])
+        ranks = [(next((r for r in range(s.lora_r - 1, 0, -1) if fits(replace(option, lora_r=r))), 0), flag)
+                 for option, flag in options]
+        rank, flag = max(ranks, key=lambda found: found[0])
+        if rank:
+            out.append(f"a smaller LoRA rank: --lora_r {rank}{flag}")
     if s.method in ("full", "lora") and not a.is_moe:
         qlora = replace(s, method="qlora", lora_target_modules=s.lora_target_modules or ("all-linear",))
         if fits(qlora):
