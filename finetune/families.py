@@ -71,7 +71,7 @@ class Family:
     tiny: TinyModel
     reasoning: ReasoningFormat | None = None
     experts: bool = False  # mixture of experts: `experts_implementation` and `lora_target_parameters` apply
-    mxfp4_hub_checkpoints: bool = False  # its hub checkpoints store the experts in MXFP4
+    mxfp4_hub_checkpoints: bool = False  # its hub ids store the experts in MXFP4 (their stored configs do not say so)
     # the model class that builds its attention masks without the position ids (packed rows need them: patches.py)
     masks_without_positions: str | None = None
     # The planner's terms, functions of its Architecture (finetune/planner/):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from finetune.commands import launch as launcher
-from finetune.config.files import read_recipe
+from finetune.config.files import parse_overrides, read_recipe
 from finetune.errors import UserError
 from finetune.planner import choice, memory
 from tests.helpers import ROOT, free_port, printed_setup
@@ -35,12 +35,14 @@ def test_launch_runs_the_given_config_file_with_its_processes(tmp_path):
 
 @pytest.fixture
 def gpus(monkeypatch, tmp_path):
-    """Pretend this machine has `count` H200s, and that accelerate has no default config file."""
+    """Pretend this machine has `count` H200s and a node's host memory (1 TiB, what the planner checks), and that
+    accelerate has no default config file."""
     def pretend(count: int):
         monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
         monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: SimpleNamespace(total_memory=H200_BYTES))
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: "NVIDIA H200")
     monkeypatch.setattr(launcher, "default_config_file", lambda: str(tmp_path / "no-default-config.yaml"))
+    monkeypatch.setattr(choice, "this_host_memory_gib", lambda: 1024.0)
     return pretend
 
 
@@ -48,19 +50,21 @@ def flag(command: list[str], name: str) -> str | None:
     return command[command.index(name) + 1] if name in command else None
 
 
-@pytest.mark.parametrize("recipe, count, technique", [
-    ("recipes/gpt-oss-120b/lora.yaml", 8, "fsdp2"),     # 240 GB of bf16 weights: sharded over 8 GPUs
-    ("recipes/gpt-oss-120b/lora.yaml", 1, "zero3_offload"),  # on one GPU only offloading the weights fits
-    ("recipes/llama-3.2-3b/lora.yaml", 8, "ddp"),       # fits one GPU: plain data parallel
+@pytest.mark.parametrize("recipe, flags, count, technique", [
+    ("recipes/gpt-oss-120b/lora.yaml", ["--dequantize_mxfp4", "true"], 8, "fsdp2"),  # 218 GiB of bf16: sharded over 8
+    ("recipes/gpt-oss-120b/lora.yaml", [], 1, "ddp"),  # experts resident in MXFP4: one process on one GPU
+    ("recipes/llama-3.2-3b/lora.yaml", [], 8, "ddp"),  # fits one GPU: plain data parallel
 ])
-def test_launch_without_a_config_file_uses_the_planners_choice_for_the_gpus_it_sees(gpus, recipe, count, technique):
+def test_launch_without_a_config_file_uses_the_planners_choice_for_the_gpus_it_sees(gpus, recipe, flags, count,
+                                                                                       technique):
     gpus(count)
-    command = launcher.accelerate_command(["--config", recipe, "--max_steps", "5"])
-    chosen = choice.plan(read_recipe(ROOT / recipe, {"max_steps": 5}), gpus=count, gpu_memory_gib=H200_BYTES / 2**30)
+    command = launcher.accelerate_command(["--config", recipe, *flags, "--max_steps", "5"])
+    chosen = choice.plan(read_recipe(ROOT / recipe, parse_overrides([*flags, "--max_steps", "5"])), gpus=count,
+                         gpu_memory_gib=H200_BYTES / 2**30)
     assert chosen.technique == technique
     assert flag(command, "--config_file") == str(ROOT / memory.CONFIG_FILES[technique])
     assert flag(command, "--num_processes") == str(count)
-    assert command[-5:] == [str(launcher.SFT_SCRIPT), "--config", recipe, "--max_steps", "5"]
+    assert command[-5 - len(flags):] == [str(launcher.SFT_SCRIPT), "--config", recipe, *flags, "--max_steps", "5"]
 
 
 def test_launch_without_gpus_runs_one_process_on_the_cpu_passing_what_accelerate_would_warn_about(gpus, monkeypatch):

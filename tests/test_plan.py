@@ -217,16 +217,16 @@ def test_the_gpt_oss_expert_lora_plan_is_within_15_percent_of_the_h200():
 
 def test_when_only_zero3_offload_fits_the_plan_also_names_checkpointing_on_the_gpu():
     recipe = read_recipe(ROOT / "recipes/gpt-oss-20b/lora.yaml")
-    on_an_h100 = choice.plan(recipe, gpus=1, gpu="H100")
+    on_an_h100 = choice.plan(recipe, gpus=1, gpu="H100", host_memory_gib=128)  # offload holds the bf16 20B there
     assert on_an_h100.technique == "zero3_offload"
     assert any("--gradient_checkpointing true" in tip and "ddp.yaml" in tip for tip in on_an_h100.suggestions)
     assert "Faster: activation checkpointing" in choice.format_plan(on_an_h100)
-    assert choice.plan(recipe, gpus=1, gpu="H200").suggestions == []
+    assert choice.plan(recipe, gpus=1, gpu="H200", host_memory_gib=128).suggestions == []
 
 
 @pytest.mark.launches
 def test_the_planner_never_imports_torch_or_transformers():
-    probe = "import sys, finetune.plan; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
+    probe = "import sys, finetune.planner.choice; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert result.stdout.strip() == "[]", result.stdout + result.stderr
 
@@ -239,9 +239,115 @@ def test_a_local_model_folder_is_read_from_its_config_json(tmp_path):
     assert (a.hidden, a.layers, a.head_dim, a.kv_dim) == (64, 2, 16, 32)
 
 
+# ---- MXFP4 resident (dequantize_mxfp4: false) -------------------------------------------------------------------
+@pytest.mark.parametrize("name, experts", [("gpt-oss-120b", 128), ("gpt-oss-20b", 32)])
+def test_resident_mxfp4_experts_cost_4_25_bits_a_weight_and_one_dequantized_projection(name, experts):
+    """From the architecture (hidden 2880, expert width 2880, 36 or 24 layers): each expert's gate_up [2880, 5760]
+    and down [2880, 2880] as FP4 (half a byte) + one E8M0 byte per 32 values; the rest, expert biases included, bf16."""
+    a = architecture.architecture_of(f"openai/{name}")
+    assert a.mxfp4_experts and (a.hidden, a.intermediate, a.experts) == (2880, 2880, experts)
+    values = a.layers * experts * (2880 * 5760 + 2880 * 2880)
+    assert architecture.expert_weight_values(a) == values
+    resident = setup(model=a.name, method="lora", dequantize_mxfp4=False)
+    dense = replace(resident, dequantize_mxfp4=True)
+    total = architecture.total_params(a)
+    assert memory.frozen_weight_bytes(a, resident) == values * 17 / 32 + (total - values) * 2
+    assert memory.frozen_weight_bytes(a, dense) == total * 2
+    assert memory.mxfp4_dequantized_bytes(a, resident) == experts * 2880 * 5760 * 2  # gate_up, bf16
+    assert memory.mxfp4_dequantized_bytes(a, dense) == 0
+    estimate = memory.estimate(a, resident, "ddp", 1)
+    assert estimate.parts["mxfp4_dequantized"] == experts * 2880 * 5760 * 2 and estimate.supported
+    if name == "gpt-oss-120b":  # the issue's arithmetic: 56.7 GiB of MXFP4 experts, 60.8 GiB in all
+        assert values * 17 / 32 / GIB == pytest.approx(56.73, abs=0.01)
+        assert memory.frozen_weight_bytes(a, resident) / GIB == pytest.approx(60.77, abs=0.01)
+
+
+def test_a_local_folder_whose_config_says_mxfp4_is_resident_and_a_dense_model_never(tmp_path):
+    _, values = architecture.config_values("openai/gpt-oss-20b")
+    (tmp_path / "config.json").write_text(json.dumps(values | {"quantization_config": {"quant_method": "mxfp4"}}))
+    assert architecture.architecture_of(str(tmp_path)).mxfp4_experts
+    (tmp_path / "config.json").write_text(json.dumps(values))
+    assert not architecture.architecture_of(str(tmp_path)).mxfp4_experts  # a bf16 save of GPT-OSS
+    llama = architecture.architecture_of("meta-llama/Llama-3.2-1B")
+    assert not llama.mxfp4_experts
+    assert memory.frozen_weight_bytes(llama, setup(method="lora", dequantize_mxfp4=False)) == \
+        architecture.total_params(llama) * 2  # the key changes nothing on a model without MXFP4 experts
+
+
+def test_resident_mxfp4_is_one_process_only_and_more_gpus_are_offered_dequantized():
+    values = read_recipe(ROOT / "recipes/gpt-oss-120b/lora.yaml")
+    a = architecture.architecture_of("openai/gpt-oss-120b")
+    s = planner_setup.setup_from_recipe(values)
+    assert not memory.estimate(a, s, "ddp", 2).supported  # DDP is several processes too
+    p = choice.plan(values, gpus=8, gpu="H100", host_memory_gib=1024)
+    assert not p.fits and not any(e.supported for e in p.estimates.values())
+    assert "the experts dequantized, which shards: --dequantize_mxfp4 true" in p.suggestions
+    assert "train in one process only" in choice.format_plan(p)
+
+
+def test_the_120b_recipe_plans_one_80_gb_gpu_resident_and_one_141_gb_gpu_at_r16_fp32_adamw():
+    path = str(ROOT / "recipes/gpt-oss-120b/lora.yaml")
+    s = planner_setup.setup_from_recipe(read_recipe(path))
+    assert (s.dequantize_mxfp4, s.gradient_checkpointing, s.expert_lora_kernel) == (False, True, "grouped")
+    assert s.lora_target_parameters and s.lora_target_modules
+    h100 = choice.plan(read_recipe(path), gpus=1, gpu="H100", recipe_path=path, host_memory_gib=128)
+    assert h100.technique == "ddp" and h100.command.startswith(
+        "accelerate launch --config_file accelerate_configs/ddp.yaml --num_processes 1 scripts/sft.py")
+    assert h100.estimates["ddp"].per_gpu_gib == pytest.approx(71.1, abs=0.05)  # the recipe's header
+    one_more = choice.plan(read_recipe(path, {"lora_r": s.lora_r + 1}), gpus=1, gpu="H100", host_memory_gib=128)
+    assert not one_more.fits and f"a smaller LoRA rank: --lora_r {s.lora_r}" in one_more.suggestions  # the largest
+    flags = ["--lora_r", "16", "--lora_alpha", "32", "--optim", "adamw_torch_fused", "--per_device_train_batch_size",
+             "4", "--gradient_accumulation_steps", "4"]  # the header's H200 variant
+    h200 = choice.plan(planner_setup.recipe_with_flags(path, flags), gpus=1, gpu="H200", host_memory_gib=128)
+    assert h200.technique == "ddp" and h200.estimates["ddp"].per_gpu_gib == pytest.approx(89.6, abs=0.05)
+    assert not choice.plan(planner_setup.recipe_with_flags(path, flags), gpus=1, gpu="H100", host_memory_gib=128).fits
+
+
+def test_a_technique_needing_more_host_memory_than_the_host_has_is_never_chosen_and_the_plan_says_why():
+    """GPT-OSS-120B dequantized to bf16: ZeRO-3 offload keeps the 217.6 GiB model and the adapters' fp32 master and
+    Adam states in host memory; FSDP2 loads the whole model in one process per node."""
+    values = read_recipe(ROOT / "recipes/gpt-oss-120b/lora.yaml", {"dequantize_mxfp4": True})
+    small_host = choice.plan(values, gpus=1, gpu="H100", host_memory_gib=128)
+    offload = small_host.estimates["zero3_offload"]
+    assert offload.per_gpu_gib < 71.6 and offload.host / GIB > 217.6  # fits the GPU, not the host
+    assert not small_host.fits
+    assert "needs 220 GiB of host memory per node (the 16-bit model" in choice.format_plan(small_host)
+    assert "the host has 128 (--host-memory)" in choice.format_plan(small_host)
+    assert choice.plan(values, gpus=1, gpu="H100", host_memory_gib=256).technique == "zero3_offload"
+    eight = ["--dequantize_mxfp4", "true", "--lora_r", "16", "--lora_alpha", "32", "--optim", "adamw_torch_fused",
+             "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "1"]  # the header's 8-GPU path
+    values = planner_setup.recipe_with_flags(str(ROOT / "recipes/gpt-oss-120b/lora.yaml"), eight)
+    node = choice.plan(values, gpus=8, gpu="H100", host_memory_gib=128)
+    assert node.technique == "zero3" and node.estimates["zero3"].per_gpu_gib == pytest.approx(47.0, abs=0.05)
+    assert node.estimates["fsdp2"].per_gpu_gib == pytest.approx(48.4, abs=0.05)
+    assert choice.plan(values, gpus=8, gpu="H100", host_memory_gib=560).technique == "fsdp2"
+
+
+@pytest.mark.launches
+def test_host_memory_defaults_to_this_machine_s_and_the_flag_sets_it():
+    out = subprocess.run([sys.executable, "-m", "finetune.cli", "plan", "--config", "recipes/gpt-oss-120b/lora.yaml",
+                          "--gpus", "1", "--gpu", "H100", "--json", "--host-memory", "100"],
+                         cwd=ROOT, capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout)["host_memory_gib"] == 100 and json.loads(out.stdout)["technique"] == "ddp"
+    import os
+    assert choice.this_host_memory_gib() == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
+    assert choice.plan(read_recipe(ROOT / "recipes/gpt-oss-120b/lora.yaml"), gpus=1, gpu="H100").host_memory_gib \
+        == choice.this_host_memory_gib()
+
+
+def test_the_120b_recipe_passes_the_checks_before_loading_under_tiny_on_cpu(tmp_path):
+    from finetune.sft import configure
+
+    run = configure(["--config", str(ROOT / "recipes/gpt-oss-120b/lora.yaml"), "--tiny",
+                     "--output_dir", str(tmp_path / "out")])
+    assert run.finetune.dequantize_mxfp4 is False and run.model.lora_r == 3
+    assert not (tmp_path / "out").exists()
+
+
 # ---- choices ------------------------------------------------------------------------------------------------------
 def test_gpt_oss_120b_lora_on_8_h100_is_never_ddp():
-    p = choice.plan(read_recipe(ROOT / "recipes/gpt-oss-120b/lora.yaml"), gpus=8, gpu="H100")
+    values = read_recipe(ROOT / "recipes/gpt-oss-120b/lora.yaml", {"dequantize_mxfp4": True})
+    p = choice.plan(values, gpus=8, gpu="H100", host_memory_gib=1024)
     assert p.technique not in ("ddp", "zero2")
     assert p.estimates["ddp"].per_gpu_gib > 80
 
@@ -262,12 +368,12 @@ def test_full_3b_on_8_a10_needs_sharding(tmp_path):
 
 def test_too_large_reports_nothing_fits_with_suggestions(tmp_path):
     path = recipe(tmp_path, max_length=4096, per_device_train_batch_size=4)
-    p = choice.plan(read_recipe(path), gpus=1, gpu="A10")
+    p = choice.plan(read_recipe(path), gpus=1, gpu="A10", host_memory_gib=128)  # offload's CPU side fits the host
     assert not p.fits and p.technique is None and p.command is None
     text = " ".join(p.suggestions)
     assert "--gradient_checkpointing true" in text and "--max_length" in text
     shorter = int(text.split("--max_length ")[1].split()[0])
-    assert choice.plan(read_recipe(path, {"max_length": shorter}), gpus=1, gpu="A10").fits
+    assert choice.plan(read_recipe(path, {"max_length": shorter}), gpus=1, gpu="A10", host_memory_gib=128).fits
     # full fine-tuning whose weights + Adam states alone overflow the card, even offloading needs LoRA
     tight = choice.plan(read_recipe(path, {"per_device_train_batch_size": 1, "max_length": 1024}), gpus=1, gpu_memory_gib=6)
     assert not tight.fits
@@ -281,8 +387,8 @@ def test_qlora_is_never_sharded(tmp_path):
 
 
 def test_multi_node_command_has_the_machine_flags(tmp_path):
-    p = choice.plan(read_recipe(ROOT / "recipes/gpt-oss-120b/lora.yaml"), gpus=8, nodes=2, gpu="H100",
-               recipe_path="recipes/gpt-oss-120b/lora.yaml")
+    p = choice.plan(read_recipe(ROOT / "recipes/gpt-oss-120b/lora.yaml", {"dequantize_mxfp4": True}), gpus=8, nodes=2,
+                    gpu="H100", recipe_path="recipes/gpt-oss-120b/lora.yaml", host_memory_gib=1024)
     assert ("--num_machines 2 --machine_rank $RANK --main_process_ip $MASTER_ADDR --main_process_port 29500 "
             "--num_processes 16 scripts/sft.py") in p.command
 
@@ -415,6 +521,7 @@ def setup_the_run_trains(argv: list[str]) -> planner_setup.Setup:
         bf16=training.bf16, use_liger_kernel=training.use_liger_kernel,
         attn_implementation=model.attn_implementation or "sdpa", torch_compile=training.torch_compile, fp8=own.fp8,
         activation_memory_budget=own.activation_memory_budget, expert_lora_kernel=own.expert_lora_kernel,
+        dequantize_mxfp4=own.dequantize_mxfp4,
     )
 
 
@@ -477,7 +584,7 @@ def test_an_unknown_model_through_finetune_launch_is_one_error_line(tmp_path, mo
 @pytest.mark.launches
 def test_planning_reads_the_runs_defaults_without_importing_torch_transformers_or_trl():
     probe = ("import sys; from finetune.planner import choice, setup; "
-             "choice.plan(planner_setup.recipe_with_flags('recipes/llama-3.2-1b/full.yaml', []), gpus=8, gpu='H100'); "
+             "choice.plan(setup.recipe_with_flags('recipes/gpt-oss-120b/lora.yaml', []), gpus=1, gpu='H100'); "
              "print(sorted({'torch', 'transformers', 'trl'} & set(sys.modules)))")
     result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=60,
                             check=False)

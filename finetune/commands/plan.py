@@ -12,7 +12,8 @@ def _run_plan(args: argparse.Namespace, extra: list[str]) -> int:
     from finetune.planner import choice, setup
 
     result = choice.plan(setup.recipe_with_flags(args.config, extra), gpus=args.gpus, gpu=args.gpu,
-                          gpu_memory_gib=args.gpu_memory, nodes=args.nodes, recipe_path=args.config, extra_args=extra)
+                          gpu_memory_gib=args.gpu_memory, nodes=args.nodes, recipe_path=args.config, extra_args=extra,
+                          host_memory_gib=args.host_memory)
     if args.json:
         print(json.dumps(result.to_json(), indent=2))
     else:
@@ -37,5 +38,8 @@ def add_plan(subparsers) -> None:
     gpu = p.add_mutually_exclusive_group(required=True)
     gpu.add_argument("--gpu", help="A10, L4, A100-40, A100-80, H100, H200, B200")
     gpu.add_argument("--gpu-memory", type=number(0, low_allowed=False), help="memory of one GPU in GiB")
+    p.add_argument("--host-memory", type=number(0, low_allowed=False),
+                   help="host memory of one node in GiB (default: this machine's); a technique that needs more "
+                        "(ZeRO-3 offload's CPU-side model, FSDP2's whole-model load) is not chosen")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=_run_plan, accepts_extra=True)

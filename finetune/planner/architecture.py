@@ -28,6 +28,7 @@ class Architecture:
     experts: int = 0  # 0: dense MLP
     experts_per_token: int = 0
     family: str = "llama"  # whose layer layout (finetune/families.py); one built by hand is a Llama's
+    mxfp4_experts: bool = False  # the checkpoint stores the experts in MXFP4 (`dequantize_mxfp4` applies)
 
     @property
     def attn_dim(self) -> int:
@@ -42,9 +43,11 @@ class Architecture:
         return self.experts > 0
 
 
-def architecture_from_config(values: dict, name: str = "") -> Architecture:
-    """The few numbers the planner needs, from a config.json's values."""
+def architecture_from_config(values: dict, name: str = "", mxfp4_hub_checkpoint: bool = False) -> Architecture:
+    """The few numbers the planner needs, from a config.json's values (and whether the model is a hub checkpoint
+    that stores its experts in MXFP4, which the stored copy of its config does not say)."""
     text = values.get("text_config", values)
+    quantization = values.get("quantization_config") or {}
     hidden = text["hidden_size"]
     heads = text["num_attention_heads"]
     experts = text.get("num_local_experts") or text.get("num_experts") or 0
@@ -62,6 +65,7 @@ def architecture_from_config(values: dict, name: str = "") -> Architecture:
         experts=experts,
         experts_per_token=(text.get("num_experts_per_tok") or text.get("experts_per_token") or 0) if experts else 0,
         family=family_of_type(values.get("model_type"), name or "config.json").name,
+        mxfp4_experts=bool(experts) and (mxfp4_hub_checkpoint or quantization.get("quant_method") == "mxfp4"),
     )
 
 
@@ -78,7 +82,9 @@ def architecture_of(model_name_or_path: str, source: str = "command line") -> Ar
                         f"({str(error).rstrip('.')}); give a local folder holding the model's config.json, or pass "
                         f"--config_file to `finetune launch` to choose the technique yourself.") from None
     try:
-        return architecture_from_config(values, name)
+        family = family_of_type(values.get("model_type"), name)
+        hub_mxfp4 = family.mxfp4_hub_checkpoints and model_name_or_path in family.hub_ids
+        return architecture_from_config(values, name, hub_mxfp4)
     except KeyError as missing:
         raise UserError(f"{model_name_or_path}/config.json: no `{missing.args[0]}`, which the planner needs for a "
                         f"decoder-only language model; give the folder of such a model.") from None
@@ -124,3 +130,8 @@ def linear_params_per_layer(a: Architecture) -> int:
     """Weights that bitsandbytes quantizes to 4 bit: the decoder layers' nn.Linear weights (not MoE's 3-D experts)."""
     linears = attention_linears(a) | FAMILIES[a.family].mlp_linears(a)
     return sum(i * o for i, o in linears.values())
+
+
+def expert_weight_values(a: Architecture) -> int:
+    """The experts' weights over all layers (biases not counted): what an MXFP4 checkpoint stores in MXFP4."""
+    return a.layers * sum(a.experts * i * o for i, o in FAMILIES[a.family].expert_weights(a).values())

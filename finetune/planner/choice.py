@@ -27,6 +27,7 @@ and shrink against each other and the peak is at one end of the backward pass.
 from __future__ import annotations
 
 import math
+import os
 import shlex
 from dataclasses import dataclass, field, replace
 
@@ -41,6 +42,7 @@ from finetune.planner.memory import (
     Estimate,
     activation_bytes,
     estimate,
+    mxfp4_resident,
 )
 from finetune.planner.setup import Setup, setup_from_recipe
 
@@ -59,6 +61,12 @@ KNOWN_GPUS = {
 GPU_ALIASES = {"A100": "A100-80", "A100-40GB": "A100-40", "A100-80GB": "A100-80", "H100-80": "H100", "H200-141": "H200"}
 
 
+# What a technique holds in host memory, said when the host is short of it (memory.host_bytes)
+HOST_NEEDS = {"fsdp2": "one process loads the whole model to send the others their shards",
+              "zero3_offload": "the 16-bit model, fp32 master weights and optimizer states live there",
+              "ddp": "offloaded activations", "zero2": "offloaded activations", "zero3": "offloaded activations"}
+
+
 # ---- The choice --------------------------------------------------------------------------------------------------
 @dataclass
 class Plan:
@@ -74,6 +82,7 @@ class Plan:
     command: str | None
     suggestions: list[str] = field(default_factory=list)
     offloaded_gib: float = 0.0  # pinned CPU memory per process that activation offloading fills
+    host_memory_gib: float = math.inf  # of one node: a technique needing more is never chosen
 
     @property
     def world(self) -> int:
@@ -97,6 +106,8 @@ class Plan:
             "budget_gib": round(self.gpu_memory_gib * SAFETY_MARGIN, 2),
             "suggestions": self.suggestions,
             "offloaded_to_cpu_gib": round(self.offloaded_gib, 2),
+            "host_memory_gib": round(self.host_memory_gib, 2),
+            "host_needed_gib": {t: round(e.host / GIB, 2) for t, e in self.estimates.items()},
         }
 
 
@@ -113,6 +124,11 @@ def resolve_gpu(name: str | None, memory_gib: float | None) -> tuple[str, float]
     return key, KNOWN_GPUS[key][1]
 
 
+def this_host_memory_gib() -> float:
+    """The physical memory of the machine the planner runs on (os.sysconf: no psutil, no torch)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
+
+
 def launch_command(technique: str, recipe: str, world: int, nodes: int, extra_args: list[str] | None = None) -> str:
     parts = ["accelerate", "launch", "--config_file", CONFIG_FILES[technique]]
     if nodes > 1:
@@ -122,70 +138,89 @@ def launch_command(technique: str, recipe: str, world: int, nodes: int, extra_ar
     return " ".join(p if p.startswith("$") else shlex.quote(p) for p in parts)
 
 
-def choose(a: Architecture, s: Setup, world: int, budget_bytes: float) -> tuple[dict[str, Estimate], str | None]:
+def choose(a: Architecture, s: Setup, world: int, budget_bytes: float, host_bytes: float = math.inf,
+           gpus_per_node: int | None = None) -> tuple[dict[str, Estimate], str | None]:
     """Cheapest first: DDP (no sharding traffic), ZeRO-2 (shards only optimizer state and gradients), FSDP2 then
     ZeRO-3 (also shard the weights, gather each layer on the fly), ZeRO-3 with CPU offload (slowest, PCIe bound).
-    With one GPU sharding saves nothing, so only DDP (a plain single process) and offload are candidates."""
-    estimates = {t: estimate(a, s, t, world) for t in TECHNIQUES}
+    With one GPU sharding saves nothing, so only DDP (a plain single process) and offload are candidates. A technique
+    whose node needs more than `host_bytes` of host memory is never chosen."""
+    estimates = {t: estimate(a, s, t, world, gpus_per_node) for t in TECHNIQUES}
     order = TECHNIQUES if world > 1 else ("ddp", "zero3_offload")
     for t in order:
         e = estimates[t]
-        if e.supported and e.per_gpu <= budget_bytes:
+        if e.supported and e.per_gpu <= budget_bytes and e.host <= host_bytes:
             return estimates, t
     return estimates, None
 
 
-def _fits_somehow(a: Architecture, s: Setup, world: int, budget: float) -> bool:
-    return choose(a, s, world, budget)[1] is not None
-
-
-def suggestions(a: Architecture, s: Setup, world: int, gpus_per_node: int, budget: float) -> list[str]:
+def suggestions(a: Architecture, s: Setup, world: int, gpus_per_node: int, budget: float,
+                host: float = math.inf) -> list[str]:
     """What would fit, tried one change at a time, cheapest change first."""
+
+    def fits(changed: Setup, total: int = world, per_node: int = gpus_per_node) -> bool:
+        return choose(a, changed, total, budget, host, per_node)[1] is not None
+
     out = []
-    checkpointing_fits = _fits_somehow(a, replace(s, gradient_checkpointing=True), world, budget)
+    if mxfp4_resident(a, s) and world > 1 and fits(replace(s, dequantize_mxfp4=True)):
+        out.append("the experts dequantized, which shards: --dequantize_mxfp4 true")
+    if a.mxfp4_experts and s.dequantize_mxfp4 and world == 1 and fits(replace(s, dequantize_mxfp4=False)):
+        out.append("the experts resident in MXFP4 (one process): --dequantize_mxfp4 false")
+    checkpointing_fits = fits(replace(s, gradient_checkpointing=True))
     if not s.gradient_checkpointing and checkpointing_fits:
         out.append("turn on activation checkpointing: --gradient_checkpointing true")
     offloaded = replace(s, gradient_checkpointing=True, activation_offloading=True)
-    if not checkpointing_fits and not s.activation_offloading and _fits_somehow(a, offloaded, world, budget):
+    if not checkpointing_fits and not s.activation_offloading and fits(offloaded):
         out.append("checkpointing with the layer inputs in CPU memory: --gradient_checkpointing true "
                    "--activation_offloading true")
     if s.batch > 1:
         for b in range(s.batch - 1, 0, -1):
-            if _fits_somehow(a, replace(s, batch=b), world, budget):
+            if fits(replace(s, batch=b)):
                 out.append(f"a smaller micro-batch: --per_device_train_batch_size {b} (raise gradient_accumulation_steps)")
                 break
     length = s.max_length // 2
     while length >= 256:
-        if _fits_somehow(a, replace(s, max_length=length), world, budget):
+        if fits(replace(s, max_length=length)):
             out.append(f"shorter sequences: --max_length {length}")
             break
         length //= 2
     if s.method == "full":
         lora = replace(s, method="lora", lora_target_modules=("all-linear",))
-        if _fits_somehow(a, lora, world, budget):
+        if fits(lora):
             out.append("LoRA instead of full fine-tuning: --use_peft true --lora_target_modules all-linear")
+    if s.method != "full":
+        # The largest rank below the recipe's that fits, with its optimizer or with bitsandbytes' 8-bit AdamW (a
+        # dependency; torchao's needs the fp8 extra), whichever allows the larger rank
+        options = [(s, "")] + ([] if "8bit" in s.optim else [(replace(s, optim="adamw_8bit"), " --optim adamw_8bit")])
+        ranks = [(next((r for r in range(s.lora_r - 1, 0, -1) if fits(replace(option, lora_r=r))), 0), flag)
+                 for option, flag in options]
+        rank, flag = max(ranks, key=lambda found: found[0])
+        if rank:
+            out.append(f"a smaller LoRA rank: --lora_r {rank}{flag}")
     if s.method in ("full", "lora") and not a.is_moe:
         qlora = replace(s, method="qlora", lora_target_modules=s.lora_target_modules or ("all-linear",))
-        if _fits_somehow(a, qlora, world, budget):
+        if fits(qlora):
             out.append("QLoRA (4-bit base weights): --use_peft true --load_in_4bit true")
     per_node = max(gpus_per_node, 8)  # more GPUs: fill a node of 8, then add nodes of 8
+    sharded = replace(s, dequantize_mxfp4=True)  # resident experts are one process's: more GPUs need them dequantized
     for total in (2, 4, 8, 16, 32, 64, 128):
-        if total <= world or not _fits_somehow(a, s, total, budget):
+        if total <= world or not fits(sharded, total, min(total, per_node)):
             continue
         nodes = math.ceil(total / per_node)
-        out.append(f"more GPUs: {total} of this kind" + (f" ({nodes} nodes of {per_node}, --nodes {nodes})" if nodes > 1 else ""))
+        out.append(f"more GPUs: {total} of this kind" + (f" ({nodes} nodes of {per_node}, --nodes {nodes})" if nodes > 1 else "")
+                   + (" with --dequantize_mxfp4 true" if mxfp4_resident(a, s) else ""))
         break
     if not out:
         out.append("no single change fits: combine checkpointing, LoRA/QLoRA, shorter sequences, more or larger GPUs")
     return out
 
 
-def faster_than_offload(a: Architecture, s: Setup, world: int, technique: str, budget: float) -> list[str]:
+def faster_than_offload(a: Architecture, s: Setup, world: int, technique: str, budget: float, host: float,
+                        gpus_per_node: int) -> list[str]:
     """When only ZeRO-3 offload fits (PCIe bound), checkpointing on the GPU is usually much faster if it fits without
     offload: say so beside the command."""
     if technique != "zero3_offload" or s.gradient_checkpointing:
         return []
-    _, checkpointed = choose(a, replace(s, gradient_checkpointing=True), world, budget)
+    _, checkpointed = choose(a, replace(s, gradient_checkpointing=True), world, budget, host, gpus_per_node)
     if checkpointed in (None, "zero3_offload"):
         return []
     return [f"activation checkpointing fits {LABELS[checkpointed]} without offloading, usually much faster: "
@@ -193,18 +228,23 @@ def faster_than_offload(a: Architecture, s: Setup, world: int, technique: str, b
 
 
 def plan(recipe_values: dict, gpus: int, gpu: str | None = None, gpu_memory_gib: float | None = None,
-         nodes: int = 1, recipe_path: str = "RECIPE", extra_args: list[str] | None = None) -> Plan:
+         nodes: int = 1, recipe_path: str = "RECIPE", extra_args: list[str] | None = None,
+         host_memory_gib: float | None = None) -> Plan:
+    """The plan on `nodes` machines of `gpus` GPUs each, with `host_memory_gib` of host memory each (this machine's
+    when not given)."""
     s = setup_from_recipe(recipe_values, recipe_path)
     a = architecture_of(s.model, recipe_path)
     gpu_name, memory = resolve_gpu(gpu, gpu_memory_gib)
     world = gpus * nodes
     budget = memory * GIB * SAFETY_MARGIN
-    estimates, technique = choose(a, s, world, budget)
+    host_gib = this_host_memory_gib() if host_memory_gib is None else float(host_memory_gib)
+    host = host_gib * GIB
+    estimates, technique = choose(a, s, world, budget, host, gpus)
     command = launch_command(technique, recipe_path, world, nodes, extra_args) if technique else None
-    tips = suggestions(a, s, world, gpus, budget) if technique is None else faster_than_offload(a, s, world, technique,
-                                                                                                  budget)
+    tips = suggestions(a, s, world, gpus, budget, host) if technique is None else faster_than_offload(
+        a, s, world, technique, budget, host, gpus)
     return Plan(s.model, s.method, gpu_name, memory, gpus, nodes, estimates, technique, technique is not None,
-                command, tips, activation_bytes(a, s)["offloaded_to_cpu"] / GIB)
+                command, tips, activation_bytes(a, s)["offloaded_to_cpu"] / GIB, host_gib)
 
 
 def format_plan(p: Plan) -> str:
@@ -224,8 +264,13 @@ def format_plan(p: Plan) -> str:
             verdict = f"not supported ({e.note})"
         elif p.world == 1 and t not in ("ddp", "zero3_offload"):
             verdict = "(no sharding on 1 GPU)"
+        elif e.per_gpu_gib > budget:
+            verdict = "too big"
+        elif e.host / GIB > p.host_memory_gib:
+            verdict = f"needs {e.host / GIB:.0f} GiB of host memory per node ({HOST_NEEDS[t]}); the host has " \
+                      f"{p.host_memory_gib:.0f} (--host-memory)"
         else:
-            verdict = "fits" if e.per_gpu_gib <= budget else "too big"
+            verdict = "fits"
         mark = "*" if t == p.technique else " "
         lines.append(f"{mark}{LABELS[t]:<15}{e.per_gpu_gib:>12.1f}  {w:>8.1f} {o:>8.1f} {ag:>9.1f} {other:>8.1f}  {verdict}")
     lines.append("")

@@ -11,6 +11,7 @@ from finetune.planner.architecture import (
     Architecture,
     attention_linears,
     embedding_params,
+    expert_weight_values,
     layer_params,
     linear_params_per_layer,
     total_params,
@@ -48,6 +49,9 @@ DS_BUCKET_ELEMENTS_PER_H2 = 1.0  # accelerate's "auto" reduce_bucket_size = hidd
 DS_PREFETCH_PER_H2 = 0.9  # accelerate's "auto" stage3_prefetch_bucket_size = 0.9 * hidden^2
 
 
+MXFP4_BYTES_PER_VALUE = 0.5 + 1 / 32  # two FP4 values per byte, and one E8M0 scale byte per block of 32 values
+
+
 # ---- Trainable parameters ----------------------------------------------------------------------------------------
 def lora_targets(a: Architecture, s: Setup) -> dict[str, tuple[int, int]]:
     """The adapted nn.Linear modules of one layer: name -> (in_features, out_features)."""
@@ -83,10 +87,20 @@ def trainable_bytes(s: Setup, technique: str) -> int:
     return 4  # peft upcasts LoRA adapters to fp32 (autocast_adapter_dtype=True)
 
 
+def mxfp4_resident(a: Architecture, s: Setup) -> bool:
+    """`dequantize_mxfp4: false` on an MXFP4 checkpoint: the experts stay packed on the GPU (finetune/models/
+    mxfp4_experts.py), in one process only (finetune/checks/recipe.py's check_mxfp4)."""
+    return a.mxfp4_experts and not s.dequantize_mxfp4
+
+
 def frozen_weight_bytes(a: Architecture, s: Setup) -> float:
-    """Storage of the base model's weights. QLoRA: nf4 packs two weights per byte, plus one fp32 absmax per 64."""
+    """Storage of the base model's weights. QLoRA: nf4 packs two weights per byte, plus one fp32 absmax per 64.
+    MXFP4 resident: the experts' weights as the checkpoint stores them (their biases and the rest in the dtype)."""
     params = total_params(a)
     dtype_bytes = BYTES.get(s.dtype, 4)
+    if mxfp4_resident(a, s):
+        packed = expert_weight_values(a)
+        return packed * MXFP4_BYTES_PER_VALUE + (params - packed) * dtype_bytes
     if s.method != "qlora":
         return params * dtype_bytes
     quantized = a.layers * linear_params_per_layer(a)
@@ -170,6 +184,14 @@ def adapted_expert_weight_bytes(a: Architecture, s: Setup) -> float:
     return sum(a.experts * i * o * 2 for i, o in lora_expert_targets(a, s).values())
 
 
+def mxfp4_dequantized_bytes(a: Architecture, s: Setup) -> float:
+    """MXFP4 resident: the one projection of one layer dequantized at a time, whole (all experts, no chunking), in
+    the forward and again in the backward, freed after its GEMM (120B's gate_up: 128 x 2880 x 5760 in bf16)."""
+    if not mxfp4_resident(a, s):
+        return 0.0
+    return max(a.experts * i * o for i, o in FAMILIES[a.family].expert_weights(a).values()) * BYTES.get(s.dtype, 4)
+
+
 def activation_bytes(a: Architecture, s: Setup) -> dict[str, float]:
     """Saved for backward at the end of the forward, one layer's recomputation (checkpointing), backward transients,
     and what activation offloading keeps in pinned CPU memory instead of on the GPU."""
@@ -236,6 +258,7 @@ class Estimate:
     per_gpu: float
     supported: bool = True
     note: str = ""
+    host: float = 0.0  # bytes of host memory per node the technique needs beyond a checkpoint shard
 
     @property
     def per_gpu_gib(self) -> float:
@@ -320,8 +343,26 @@ TECHNIQUE_MEMORY = {"ddp": ddp_memory, "zero2": zero2_memory, "fsdp2": fsdp2_mem
                     "zero3_offload": zero3_offload_memory}
 
 
-def estimate(a: Architecture, s: Setup, technique: str, world: int) -> Estimate:
-    """Per-GPU peak for one technique (one of TECHNIQUES) on `world` GPUs in total."""
+def host_bytes(a: Architecture, s: Setup, technique: str, sizes: Sizes, gpus_per_node: int) -> float:
+    """Host memory one node needs beyond a checkpoint shard (what loading straight onto each GPU, DDP's and ZeRO-2's
+    and ZeRO-3's shard-by-shard partitioning, hold). ZeRO-3 offload keeps its processes' partitions of the 16-bit
+    weights, fp32 master weights, Adam states and fp32 gradients there; FSDP2 loads the whole model (an MXFP4
+    checkpoint dequantized) on one process per node, which sends the others their shards
+    (fsdp_cpu_ram_efficient_loading); activation offloading parks each process's activations in pinned memory."""
+    share = gpus_per_node / sizes.world
+    if technique == "zero3_offload":
+        weights = sizes.parameters * 2 if sizes.full else sizes.frozen_bytes + sizes.trainable * 2
+        held = (weights + sizes.trainable * (4 + optimizer_bytes_per_param(s, 4) + 4)) * share
+    elif technique == "fsdp2":
+        held = sizes.parameters * BYTES.get(s.dtype, 4)
+    else:
+        held = 0.0
+    return held + gpus_per_node * activation_bytes(a, s)["offloaded_to_cpu"]
+
+
+def estimate(a: Architecture, s: Setup, technique: str, world: int, gpus_per_node: int | None = None) -> Estimate:
+    """Per-GPU peak for one technique (one of TECHNIQUES) on `world` GPUs in total, `gpus_per_node` of them (all, when
+    not given) sharing one host's memory."""
     deepspeed = technique.startswith("zero")
     sizes = Sizes(
         world=max(world, 1),
@@ -338,7 +379,11 @@ def estimate(a: Architecture, s: Setup, technique: str, world: int) -> Estimate:
     supported, note = True, ""
     if s.method == "qlora" and technique in ("fsdp2", "zero3", "zero3_offload"):
         supported, note = False, "4-bit weights cannot be sharded here"
+    if mxfp4_resident(a, s) and (technique != "ddp" or sizes.world > 1):
+        supported, note = False, "MXFP4-resident experts train in one process only"
     parts, grads = TECHNIQUE_MEMORY[technique](sizes, s)
+    if mxfp4_resident(a, s):
+        parts["mxfp4_dequantized"] = mxfp4_dequantized_bytes(a, s)
 
     acts = activation_bytes(a, s)
     # The peak is at one end of the backward pass (see the module docstring):
@@ -359,4 +404,5 @@ def estimate(a: Architecture, s: Setup, technique: str, world: int) -> Estimate:
     overhead = (CUDA_CONTEXT_GIB + (NCCL_GIB if sizes.world > 1 else 0)) * GIB
     if technique == "zero3_offload":
         overhead += 0.5 * GIB  # pinned staging buffers for the CPU <-> GPU copies
-    return Estimate(technique, parts, allocated, reserved, reserved + overhead, supported, note)
+    host = host_bytes(a, s, technique, sizes, min(gpus_per_node or sizes.world, sizes.world))
+    return Estimate(technique, parts, allocated, reserved, reserved + overhead, supported, note, host)

@@ -47,6 +47,7 @@ class Setup:
     fp8: bool = False  # finetune/models/fp8.py: the decoder's linear layers in float8, compiled
     activation_memory_budget: float = 1.0  # inductor's cap on what a compiled layer saves (1: what it saves by default)
     expert_lora_kernel: str = "grouped"  # grouped | peft (finetune/models/expert_lora.py)
+    dequantize_mxfp4: bool = True  # false: an MXFP4 checkpoint's experts stay MXFP4 on the GPU (models/mxfp4_experts.py)
 
     @property
     def tokens(self) -> int:
@@ -118,4 +119,5 @@ def setup_from_recipe(values: dict, source: str = "recipe") -> Setup:
         fp8=bool(_run_value(values, "fp8", source, _as_bool)),
         activation_memory_budget=_run_value(values, "activation_memory_budget", source, _as_float) or 1.0,
         expert_lora_kernel=str(_run_value(values, "expert_lora_kernel", source) or "grouped"),
+        dequantize_mxfp4=bool(_run_value(values, "dequantize_mxfp4", source, _as_bool)),
     )
