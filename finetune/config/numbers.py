@@ -59,8 +59,8 @@ RANGES = [
     ("save_steps", lambda value: value > 0, STEPS_SHARE),
     ("eval_steps", lambda value: value > 0, STEPS_SHARE),
     ("eval_delay", lambda value: value >= 0, "must be 0 or more"),
-    ("save_total_limit", lambda value: value >= 1, ("must be at least 1 (unset keeps every checkpoint; transformers "
-                                                    "would keep them all for 0 and fail for less)")),
+    # 0 keeps every checkpoint, as accelerate's examples and transformers read it; below 0 transformers fails
+    ("save_total_limit", lambda value: value >= 0, "must be 0 (keep every checkpoint) or more"),
     ("torch_empty_cache_steps", lambda value: value >= 1, AT_LEAST_ONE_OR_UNSET),
     ("seed", lambda value: 0 <= value < 2**32, SEED),
     ("data_seed", lambda value: 0 <= value < 2**32, SEED),
