@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from finetune.errors import UserError
+from finetune.json_files import read_object
 
 MODEL_CONFIGS_DIR = Path(__file__).parent / "model_configs"
 CHAT_TEMPLATES_DIR = Path(__file__).parent / "chat_templates"
@@ -159,7 +160,7 @@ def family_of(model: str, revision: str | None = None) -> Family:
                    if model in family.hub_ids or model in family.hub_ids.values()), None)
     if listed is not None:
         return listed
-    base = _json(Path(model).expanduser() / "adapter_config.json").get("base_model_name_or_path")
+    base = read_object(Path(model).expanduser() / "adapter_config.json").get("base_model_name_or_path")
     if isinstance(base, str) and base:
         return family_of(base)
     model_type = _model_type(model, revision)
@@ -187,22 +188,13 @@ def _model_type(model: str, revision: str | None) -> str | None:
     is set); None when there is none to read."""
     folder = Path(model).expanduser()
     if folder.is_dir():
-        return _json(folder / "config.json").get("model_type")
+        return read_object(folder / "config.json").get("model_type")
     from huggingface_hub import hf_hub_download
 
     try:
-        return _json(Path(hf_hub_download(model, "config.json", revision=revision))).get("model_type")
+        return read_object(Path(hf_hub_download(model, "config.json", revision=revision))).get("model_type")
     except (OSError, ValueError):  # not a hub id, not on the hub, or offline and not in the cache
         return None
-
-
-def _json(path: Path) -> dict:
-    """A JSON object file's values; {} when it is missing or damaged (model.check_model names those)."""
-    try:
-        values = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return values if isinstance(values, dict) else {}
 
 
 # ---- The stored architectures -----------------------------------------------------------------------------------

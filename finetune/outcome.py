@@ -9,6 +9,8 @@ import json
 import os
 from pathlib import Path
 
+from finetune import json_files
+
 OUTCOME_FILE = "FINETUNE_OUTCOME_FILE"  # the environment variable the launcher sets to a file of its own
 SAVED, FINISHED_ALREADY, USER_ERROR, PREEMPTED = "saved", "finished_already", "user_error", "preempted"
 
@@ -19,15 +21,9 @@ def record(status: str, output_dir: str | os.PathLike | None = None, error: str 
     if not path:
         return
     outcome = {"status": status, "output_dir": str(output_dir) if output_dir is not None else None, "error": error}
-    aside = Path(f"{path}.{os.getpid()}.tmp")
-    aside.write_text(json.dumps(outcome) + "\n")
-    os.replace(aside, path)
+    json_files.write_atomically(Path(path), json.dumps(outcome) + "\n")
 
 
 def read(path: str | os.PathLike) -> dict:
     """The outcome a run wrote ({} when it wrote none: it crashed, or was killed)."""
-    try:
-        outcome = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return {}
-    return outcome if isinstance(outcome, dict) else {}
+    return json_files.read_object(path)

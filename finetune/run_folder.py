@@ -14,17 +14,14 @@ import time
 from pathlib import Path
 
 from finetune.errors import UserError, say
+from finetune.json_files import fsync, read_object, write_atomically
 
 RUN_RECORD = "finetune_run.json"
 
 
 def recorded_run(output_dir: str | Path) -> dict:
     """The run record of an output folder ({} when there is none or it is unreadable)."""
-    try:
-        recorded = json.loads((Path(output_dir) / RUN_RECORD).read_text())
-    except (OSError, ValueError):
-        return {}
-    return recorded if isinstance(recorded, dict) else {}
+    return read_object(Path(output_dir) / RUN_RECORD)
 
 
 MARKER = "finetune_checkpoint.json"
@@ -157,14 +154,6 @@ def resume_point(requested: str | None, output_dir: str, announce: bool = True) 
     return str(chosen) if chosen is not None else None
 
 
-def _fsync(path: Path) -> None:
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
-
-
 def write_marker(folder: Path, step: int, world_size: int) -> None:
     """Flush every file of a finished checkpoint to disk, then write the marker that says it is complete."""
     files = _flushed_sizes(folder, folder.rglob("*"), MARKER)
@@ -177,20 +166,9 @@ def _flushed_sizes(folder: Path, paths, marker: str) -> dict[str, int]:
     files = {}
     for path in sorted(paths):
         if path.is_file() and path.name not in (marker, LOCK) and not path.name.endswith(".tmp"):
-            _fsync(path)
+            fsync(path)
             files[str(path.relative_to(folder))] = path.stat().st_size
     return files
-
-
-def write_atomically(path: Path, text: str) -> None:
-    """Write aside, flush to disk, rename: a kill or a full disk leaves the previous file or the new one, never half."""
-    temporary = path.with_name(path.name + ".tmp")
-    with open(temporary, "w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, path)
-    _fsync(path.parent)
 
 
 def write_final_marker(output_dir: str | Path, step: int, length: dict) -> None:

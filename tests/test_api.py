@@ -12,7 +12,7 @@ import pytest
 
 from tests.helpers import ROOT, free_port
 
-pytestmark = pytest.mark.xdist_group("test_api")  # one worker: its runs are module fixtures
+pytestmark = [pytest.mark.launches, pytest.mark.xdist_group("test_api")]  # one worker: its runs are module fixtures
 
 LORA = str(ROOT / "recipes" / "llama-3.2-1b" / "lora.yaml")
 

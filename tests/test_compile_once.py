@@ -18,6 +18,8 @@ from torch._functorch import config as functorch_config
 
 from tests.helpers import ROOT, printed_setup
 
+pytestmark = pytest.mark.launches  # its tests start training processes
+
 STEPS = 24
 # What `accelerate launch` exports to its processes when the config file has no dynamo_config, as the shipped ones
 ACCELERATE_LAUNCH_DYNAMO_ENV = {"ACCELERATE_DYNAMO_BACKEND": "NO", "ACCELERATE_DYNAMO_MODE": "default",

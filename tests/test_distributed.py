@@ -28,6 +28,8 @@ import pytest
 
 from tests.helpers import ACCELERATE, ROOT, free_port
 
+pytestmark = pytest.mark.launches  # its tests start training processes
+
 CONFIGS = ROOT / "accelerate_configs"
 STRATEGIES = ["ddp", "fsdp", "zero2", "zero3", "zero3_offload"]
 LORA_STRATEGIES = ["ddp", "fsdp", "zero2", "zero3"]  # zero3_offload + LoRA: verified by hand, offload tested above

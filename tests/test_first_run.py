@@ -10,6 +10,8 @@ import pytest
 from finetune.run import arguments
 from tests.helpers import ROOT
 
+pytestmark = pytest.mark.launches  # its tests start training processes
+
 RECIPE = str(ROOT / "recipes" / "llama-3.2-3b" / "qlora.yaml")  # sets gradient_checkpointing: true
 
 

@@ -17,7 +17,8 @@ from finetune.run import evaluation
 from finetune.run import generation as inference
 from tests.helpers import ROOT, launch_sft
 
-pytestmark = pytest.mark.xdist_group("test_inference")  # one worker: its trainings are a module fixture
+# one worker: its trainings are a module fixture
+pytestmark = [pytest.mark.launches, pytest.mark.xdist_group("test_inference")]
 
 RUNS = {
     "llama-full": ["--config", str(ROOT / "recipes/llama-3.2-1b/full.yaml")],

@@ -15,7 +15,7 @@ from tests.helpers import ROOT, printed_losses
 
 # one worker: its wheel and venv are a module fixture, and two workers building the wheel from one checkout at once
 # collide in its build/ folder
-pytestmark = pytest.mark.xdist_group("test_install")
+pytestmark = [pytest.mark.launches, pytest.mark.xdist_group("test_install")]
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,8 @@ import pytest
 
 from tests.helpers import ROOT, free_port
 
+pytestmark = pytest.mark.launches  # its tests start training processes
+
 SCRIPT = ROOT / "scripts" / "launch.slurm"
 
 FAKE_SRUN = """#!/bin/bash

@@ -1,9 +1,12 @@
+import pytest
 """The example notebook runs top to bottom in a fresh kernel: a tiny run trained from a cell, its loss plotted inline."""
 
 import nbformat
 from nbclient import NotebookClient
 
 from tests.helpers import ROOT
+
+pytestmark = pytest.mark.launches  # its tests start training processes
 
 
 def test_quickstart_notebook_trains_and_plots_the_loss_inline(tmp_path):

@@ -44,7 +44,8 @@ from finetune.config.files import read_recipe
 from finetune.planner import architecture, memory, setup
 from tests.helpers import ACCELERATE, ROOT, free_port
 
-pytestmark = pytest.mark.xdist_group("test_plan_sharding")  # one worker: its launches are module fixtures
+# one worker: its launches are module fixtures
+pytestmark = [pytest.mark.launches, pytest.mark.xdist_group("test_plan_sharding")]
 
 RECIPE = "recipes/llama-3.2-1b/full.yaml"
 WORLD = 2

@@ -17,7 +17,8 @@ from tests.preemption import (
     training_data,  # noqa: F401  (autouse fixture: the module's training data file)
 )
 
-pytestmark = pytest.mark.xdist_group("test_preemption_ddp")  # one worker: its launches are module fixtures
+# one worker: its launches are module fixtures
+pytestmark = [pytest.mark.launches, pytest.mark.xdist_group("test_preemption_ddp")]
 
 
 @pytest.fixture(scope="module")

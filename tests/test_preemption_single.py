@@ -33,7 +33,8 @@ from tests.preemption import (
     training_data,  # noqa: F401  (autouse fixture: the module's training data file)
 )
 
-pytestmark = pytest.mark.xdist_group("test_preemption_single")  # one worker: its launches are module fixtures
+# one worker: its launches are module fixtures
+pytestmark = [pytest.mark.launches, pytest.mark.xdist_group("test_preemption_single")]
 
 
 @pytest.fixture(scope="module")

@@ -1,3 +1,4 @@
+import pytest
 """Safe by default: no remote code unless asked, safetensors only (no pickle is ever unpickled from a model folder), and
 no access token in logs, saved arguments, run record, checkpoints or model cards."""
 
@@ -10,6 +11,8 @@ from pathlib import Path
 from finetune.run.arguments import parse_args
 from finetune.run.model import model_init_kwargs
 from tests.helpers import ROOT, launch_sft
+
+pytestmark = pytest.mark.launches  # its tests start training processes
 
 LORA = ROOT / "recipes" / "llama-3.2-1b" / "lora.yaml"
 FAKE_TOKEN = "hf_FinetuneLeakCanary0123456789abcdefXYZ"

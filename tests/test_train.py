@@ -11,6 +11,8 @@ from finetune.config.files import read_recipe
 from finetune.families import family_of
 from tests.helpers import ROOT, launch_sft, printed_losses, printed_setup
 
+pytestmark = pytest.mark.launches  # its tests start training processes
+
 RECIPES = sorted(ROOT.glob("recipes/*/*.yaml"))
 
 # Runs in a fresh process: loads what a run saved the way a user would, and reports what it found.

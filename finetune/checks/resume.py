@@ -25,6 +25,7 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
 from finetune.errors import UserError, say
+from finetune.json_files import read_object
 
 FIXED = {
     "model_name_or_path": "the model", "tiny": "the model", "tiny_width": "the model", "use_peft": "the method",
@@ -89,25 +90,17 @@ def settings(run) -> dict:
     return {name: _plain(_value(run, name)) for name in (*FIXED, *SCHEDULE, *CHANGEABLE)}
 
 
-def _json_file(path: Path) -> dict:
-    try:
-        found = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return found if isinstance(found, dict) else {}
-
-
 def checkpoint_settings(checkpoint: Path) -> dict:
     """The settings a checkpoint's own files hold: whether it is an adapter (adapter_config.json) or a full model
     (config.json), the adapter's shape and scale, and the per-device batch."""
     found = {}
-    adapter = _json_file(checkpoint / "adapter_config.json")
+    adapter = read_object(checkpoint / "adapter_config.json")
     if adapter:
         found["use_peft"] = True
         found |= {name: _plain(adapter[key]) for key, name in ADAPTER_CONFIG_FIELDS.items() if key in adapter}
     elif (checkpoint / "config.json").is_file():
         found["use_peft"] = False
-    state = _json_file(checkpoint / "trainer_state.json")
+    state = read_object(checkpoint / "trainer_state.json")
     found |= {name: state[key] for key, name in TRAINER_STATE_FIELDS.items() if key in state}
     return found
 
@@ -205,7 +198,7 @@ def schedule_start(checkpoint: Path | None) -> int | None:
     checkpoint's own schedule goes on)."""
     if checkpoint is None:
         return None
-    state = _json_file(checkpoint / "trainer_state.json")
+    state = read_object(checkpoint / "trainer_state.json")
     step, ended_at = state.get("global_step"), state.get("max_steps")
     if isinstance(step, int) and isinstance(ended_at, int) and 0 < ended_at <= step:
         return step

@@ -27,6 +27,7 @@ from transformers import TrainerCallback
 
 from finetune import patches
 from finetune.errors import say
+from finetune.json_files import read_object
 
 DYNAMO_BACKEND_ENV = "ACCELERATE_DYNAMO_BACKEND"
 
@@ -109,10 +110,7 @@ class CompileNotice(TrainerCallback):
         self.began = None
 
     def _previous(self) -> dict:
-        try:
-            return json.loads(self.path.read_text())
-        except (OSError, ValueError):
-            return {}
+        return read_object(self.path)
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.began = time.time()

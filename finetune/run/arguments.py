@@ -31,6 +31,7 @@ from finetune.config.launch_request import (
 )
 from finetune.config.schema import CHECKPOINTING_NAMES
 from finetune.errors import UserError, one_sentence, say
+from finetune.json_files import write_atomically
 from finetune.models import compilation, cpu
 from finetune.models.tiny import TINY_WIDTH
 from finetune.run import saving, tracking
@@ -352,9 +353,7 @@ def _chat_template_as_file(run: RunConfig) -> None:
         return
     digest = hashlib.sha256(template.encode("utf-8")).hexdigest()[:16]
     path = Path(tempfile.gettempdir()) / f"finetune-chat-template-{digest}.jinja"
-    written = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # then renamed: no process reads a half-written file
-    written.write_text(template, encoding="utf-8")
-    os.replace(written, path)
+    write_atomically(path, template)  # no process of the launch reads a half-written file
     run.training.chat_template_path = str(path)
 
 

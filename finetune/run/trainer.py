@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel, TrainerCallback
 from trl import SFTTrainer
 
-from finetune import outcome, patches, run_folder
+from finetune import json_files, outcome, patches, run_folder
 from finetune.checks import resume
 from finetune.checks.relaunch import run_identity, training_length
 from finetune.config.launch_request import accelerate_config_file, requested_strategy
@@ -211,9 +211,9 @@ def train_and_save(trainer: SFTTrainer, run: RunConfig, tokenizer) -> None:
         Path(output_dir).mkdir(parents=True, exist_ok=True)
         (Path(output_dir) / run_folder.FINAL_MARKER).unlink(missing_ok=True)  # training again: not finished now
         record = {**run_identity(run), "settings": resume.settings(run)}
-        run_folder.write_atomically(Path(output_dir) / RUN_RECORD, json.dumps(record, indent=2) + "\n")
+        json_files.write_atomically(Path(output_dir) / RUN_RECORD, json.dumps(record, indent=2) + "\n")
         if run.data_sources:
-            run_folder.write_atomically(Path(output_dir) / DATA_RECORD, json.dumps(run.data_sources, indent=2) + "\n")
+            json_files.write_atomically(Path(output_dir) / DATA_RECORD, json.dumps(run.data_sources, indent=2) + "\n")
     before = None
     if run.finetune.sample_prompt and trainer.accelerator.num_processes == 1:
         before = inference.answer(trainer.model, tokenizer, run.finetune.sample_prompt,
