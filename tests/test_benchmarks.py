@@ -13,6 +13,7 @@ import pytest
 from tests.helpers import ROOT
 
 
+@pytest.mark.launches
 def test_tiny_bench_writes_every_case(tmp_path):
     from benchmarks.cases import gpu_cases
 
@@ -65,6 +66,7 @@ def test_every_compiled_variant_gets_a_process_of_its_own():
     assert compiles(lora["finetune"]) and not compiles(lora["finetune_eager"]) and not compiles(lora["plain_best"])
 
 
+@pytest.mark.launches
 def test_measure_memory_tiny_case_runs_on_cpu(tmp_path):
     pytest.importorskip("trl")
     out = subprocess.run([sys.executable, "scripts/measure_memory.py", "--tiny", "--out", str(tmp_path),

@@ -84,6 +84,7 @@ def test_empty_completion_is_refused():
         check_rows(Dataset.from_list([{"prompt": "Spell cat backwards.", "completion": " "}]), "rows.jsonl")
 
 
+@pytest.mark.launches
 def test_prompt_completion_rows_train_end_to_end(tmp_path):
     data_file = write_rows(tmp_path / "rows.jsonl", [
         {"prompt": [{"role": "user", "content": f"Count from {n} to {n + 3}."}],

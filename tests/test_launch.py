@@ -21,6 +21,7 @@ FINETUNE = str(Path(sys.executable).with_name("finetune"))
 H200_BYTES = 141 * 10**9
 
 
+@pytest.mark.launches
 def test_launch_runs_the_given_config_file_with_its_processes(tmp_path):
     result = subprocess.run(
         [FINETUNE, "launch", "--config_file", "accelerate_configs/ddp.yaml", "--num_processes", "2",
@@ -89,6 +90,7 @@ def test_launch_checks_accelerates_default_config_when_given_no_file(monkeypatch
         launcher.accelerate_command(["--config", "recipes/llama-3.2-1b/full.yaml"])
 
 
+@pytest.mark.launches
 def test_a_broken_accelerate_file_is_refused_without_importing_trl_or_torch(tmp_path):
     broken = tmp_path / "broken.yaml"
     broken.write_text("distributed_type: [MULTI_GPU\n")
@@ -99,6 +101,7 @@ def test_a_broken_accelerate_file_is_refused_without_importing_trl_or_torch(tmp_
     assert "broken.yaml: not valid YAML" in result.stderr
 
 
+@pytest.mark.launches
 def test_the_launcher_reads_how_the_run_ended_from_its_outcome_not_from_its_output(capfd):
     """finetune/outcome.py: the training processes write status, output folder and error sentence; printed text that
     looks like either is only shown."""
@@ -119,6 +122,7 @@ def test_the_launcher_reads_how_the_run_ended_from_its_outcome_not_from_its_outp
     assert "error: looks like a sentence" in capfd.readouterr().err
 
 
+@pytest.mark.launches
 def test_the_training_processes_get_the_launch_arguments_from_the_launcher_not_from_a_parent_command_line(tmp_path):
     """The fake `accelerate` starts its training process through `sh`, whose command line says nothing of the launch:
     what the process knows of it (the config file it names, the request it checks) came from `finetune launch`."""

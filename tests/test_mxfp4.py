@@ -165,6 +165,7 @@ def reload_and_generate(output_dir) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.launches
 @pytest.mark.parametrize("config", [
     pytest.param(None, id="single"),
     pytest.param("zero3", marks=pytest.mark.xdist_group("mxfp4-zero3")),

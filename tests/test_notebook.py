@@ -1,4 +1,5 @@
 import pytest
+
 """The example notebook runs top to bottom in a fresh kernel: a tiny run trained from a cell, its loss plotted inline."""
 
 import nbformat

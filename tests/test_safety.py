@@ -1,4 +1,5 @@
 import pytest
+
 """Safe by default: no remote code unless asked, safetensors only (no pickle is ever unpickled from a model folder), and
 no access token in logs, saved arguments, run record, checkpoints or model cards."""
 
