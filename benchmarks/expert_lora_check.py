@@ -3,7 +3,7 @@
 The GPT-OSS-20B architecture cut to 2 layers, random bf16 weights on the GPU, the same rows in the same order, 20
 training steps through each path: loss curves and adapter weights, which must agree within bf16 rounding (and have the
 same keys and shapes: peft's adapter format). The trainer is the one `scripts/sft.py` builds:
-`finetune.sft.configure` on the recipe plus overrides, `finetune.trainer.build_trainer`. The speed of each path is
+`finetune.sft.configure` on the recipe plus overrides, `finetune.run.trainer.build_trainer`. The speed of each path is
 the benchmark's case `gptoss20b_expert_lora` (`scripts/bench.py --cases gptoss20b_expert_lora`).
 
     python benchmarks/expert_lora_check.py --out DIR            # GPU

@@ -1,4 +1,4 @@
-"""Measure peak GPU memory of real SFT steps and compare it with finetune.plan's estimate.
+"""Measure peak GPU memory of real SFT steps and compare it with finetune.planner's estimate.
 
     python scripts/measure_memory.py                 # on a CUDA GPU: every case, results in $OUT (or outputs/)
     python scripts/measure_memory.py --tiny          # on CPU: the tiny models, checks the script still runs

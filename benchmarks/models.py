@@ -1,5 +1,5 @@
 """The models and rows both benchmarks train on: the real architectures (finetune/model_configs) or the tiny ones of
-`finetune.tiny`, with random weights built directly on the device (there is no hub; speed and memory do not depend
+`finetune.models.tiny`, with random weights built directly on the device (there is no hub; speed and memory do not depend
 on the weights' values), and random token-id rows."""
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ def _throughput_cell(result: dict | None) -> str:
 
 
 def _planned_cell(result: dict) -> str:
-    """finetune.plan's estimate of the peak, and estimate / measured where the peak was measured."""
+    """finetune.planner's estimate of the peak, and estimate / measured where the peak was measured."""
     if result.get("planned_gib") is None:
         return "—"
     ratio = f" ({result['planned_over_peak']:.2f}x)" if result.get("planned_over_peak") else ""

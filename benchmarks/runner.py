@@ -42,7 +42,7 @@ _VARLEN_CHECK: dict = {}
 
 
 def register_varlen_attention(device: str) -> dict:
-    """Register `torch_varlen` (finetune.attention) and, on a GPU, check its kernel against the dense block-diagonal
+    """Register `torch_varlen` (finetune.models.attention) and, on a GPU, check its kernel against the dense block-diagonal
     reference, forward and backward, once per process. Returns what was found."""
     attention.register()
     if _VARLEN_CHECK or device != "cuda":
@@ -238,7 +238,7 @@ def memory_capped(cap_gib: float | None, device: str):
 
 
 def planned_gib(case: Case, variant: Variant, config) -> float:
-    """finetune.plan's estimate of the allocated peak of a recipe variant, as `finetune plan --config RECIPE FLAGS`
+    """finetune.planner's estimate of the allocated peak of a recipe variant, as `finetune plan --config RECIPE FLAGS`
     makes it, for this case's architecture and sequence length."""
     from finetune.config.files import parse_overrides, read_recipe
     from finetune.planner import architecture, memory, setup

@@ -1,4 +1,4 @@
-"""Peak GPU memory of real SFT steps against finetune.plan's estimate: `--help`, or benchmarks/memory.py."""
+"""Peak GPU memory of real SFT steps against finetune.planner's estimate: `--help`, or benchmarks/memory.py."""
 
 import sys
 from pathlib import Path

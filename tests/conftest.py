@@ -3,6 +3,7 @@ are in tests/helpers.py."""
 
 import os
 import subprocess
+import sys
 
 import pytest
 
@@ -69,3 +70,13 @@ def pytest_runtest_protocol(item, nextitem):
         return (yield)
     finally:
         _running["item"] = None
+
+
+@pytest.fixture(autouse=True)
+def no_deepspeed_config_left_behind():
+    """A test that parses a ZeRO-3 run in this process leaves transformers' global DeepSpeed config set, and every
+    later from_pretrained in the same worker would then build its model under DeepSpeed's zero.Init."""
+    yield
+    deepspeed_integration = sys.modules.get("transformers.integrations.deepspeed")
+    if deepspeed_integration is not None:
+        deepspeed_integration.unset_hf_deepspeed_config()

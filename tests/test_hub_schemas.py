@@ -101,7 +101,7 @@ def test_the_columns_trl_sees_are_the_same_whatever_the_hash_seed():
     """TRL tells a row's format apart with `set.pop()` over its columns (trl.data_utils.is_conversational):
     ultrachat_200k's `prompt` beside `messages` made a run's outcome depend on PYTHONHASHSEED, so only the
     conversation reaches TRL, under any seed (the conversion alone, without torch or trl, keeps this quick)."""
-    probe = ("from datasets import load_dataset\nfrom finetune.data_formats import to_trl_format\n"
+    probe = ("from datasets import load_dataset\nfrom finetune.data.formats import to_trl_format\n"
              f"rows = load_dataset({str(DATASETS / 'ultrachat_200k')!r})['train_sft']\n"
              "print('columns', to_trl_format(rows, 'ultrachat_200k').column_names)\n")
     runs = [subprocess.Popen([sys.executable, "-c", probe], cwd=ROOT, env={**os.environ, "PYTHONHASHSEED": seed},

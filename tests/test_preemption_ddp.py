@@ -34,7 +34,7 @@ def test_ddp_two_processes_survive_seeded_kills_and_sigterm_with_bitwise_equal_w
 
 def test_ranks_do_not_outlive_their_launcher_killed_with_sigkill(tmp_path):
     """The launcher SIGKILLed after a step (a job's time limit, the OOM killer): each rank gets SIGTERM from the
-    kernel (finetune.checkpoints.die_with_launcher), they save that step's checkpoint together and exit, instead of
+    kernel (finetune.run.saving.die_with_launcher), they save that step's checkpoint together and exit, instead of
     training on as orphans that hold their devices."""
     output_dir = tmp_path / "out"
     launch = Launch(tmp_path, 2, output_dir)

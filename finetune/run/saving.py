@@ -34,9 +34,9 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from finetune import outcome, patches
+from finetune import outcome, patches, run_folder
 from finetune.errors import UserError, first_line, say
-from finetune.run_folder import MARKER, PREEMPTED_EXIT_CODE, newest_complete, rotate, write_marker
+from finetune.run_folder import MARKER, PREEMPTED_EXIT_CODE
 
 IO_ERRNOS = {errno.ENOSPC: "no space left on the device", errno.EACCES: "no write permission",
              errno.EPERM: "no write permission", errno.EROFS: "the file system is read-only", errno.EDQUOT: "disk quota exceeded"}
@@ -104,7 +104,7 @@ def save_checkpoint_completely(trainer, save, model, trial=None) -> None:
             raise
         failure = error
     if _any_rank(trainer, failure is not None):
-        previous = newest_complete(run_dir)
+        previous = run_folder.newest_complete(run_dir)
         if main:
             shutil.rmtree(folder, ignore_errors=True)
         if failure is None:
@@ -115,8 +115,8 @@ def save_checkpoint_completely(trainer, save, model, trial=None) -> None:
             f"the folder's permissions (or pick another --output_dir) and relaunch."
         )
     if main:
-        write_marker(folder, step, trainer.accelerator.num_processes)
-        for deleted in rotate(run_dir, trainer.args.save_total_limit, {trainer.state.best_model_checkpoint} - {None}):
+        run_folder.write_marker(folder, step, trainer.accelerator.num_processes)
+        for deleted in run_folder.rotate(run_dir, trainer.args.save_total_limit, {trainer.state.best_model_checkpoint} - {None}):
             say(f"deleted {deleted} (save_total_limit={trainer.args.save_total_limit})")
     trainer.accelerator.wait_for_everyone()
     trainer.last_save_seconds = time.monotonic() - started
@@ -131,7 +131,7 @@ def writes_reported(output_dir: str | Path):
     except OSError as error:
         if error.errno not in IO_ERRNOS:
             raise
-        newest = newest_complete(output_dir)
+        newest = run_folder.newest_complete(output_dir)
         keep = (f"{newest.name} is complete and a relaunch of the same command finishes the run from it" if newest
                 else "no complete checkpoint exists")
         raise UserError(
@@ -170,7 +170,7 @@ def save_final_completely(trainer, output_dir: str | Path) -> None:
             shutil.rmtree(aside, ignore_errors=True)
         if failure is None:
             sys.exit(2)  # another rank failed to write and reports it
-        newest = newest_complete(output_dir)
+        newest = run_folder.newest_complete(output_dir)
         keep = (f"{newest.name} is complete and a relaunch of the same command finishes the save from it without "
                 f"training further" if newest
                 else "no checkpoint was saved (save_strategy), so a relaunch trains again")
