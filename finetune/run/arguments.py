@@ -1,4 +1,6 @@
-"""The run's configuration: a recipe YAML plus command-line overrides, parsed by TRL and checked before anything loads.
+"""The run's configuration: a recipe YAML plus command-line overrides, parsed by TRL into its dataclasses and
+finetune's own arguments (`parse_args` reads and changes nothing), and `apply_to_process`, the one step that changes
+the process. The checks that follow the parse are in finetune/checks/.
 
 Every user mistake found here ends as a `UserError` whose message is one sentence naming the file, the field and the
 fix; `scripts/sft.py` prints it and exits non-zero without a traceback.
