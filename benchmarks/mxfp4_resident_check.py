@@ -1,4 +1,4 @@
-"""GPT-OSS experts resident in MXFP4 (finetune/mxfp4_experts.py) on one GPU, real shapes, random weights, no network,
+"""GPT-OSS experts resident in MXFP4 (finetune/models/mxfp4_experts.py) on one GPU, real shapes, random weights, no network,
 under 3 minutes (a CPU with TRITON_INTERPRET=1 and --architecture TINY_MODEL_FOLDER runs the code, not the check):
 
     python benchmarks/mxfp4_resident_check.py [--architecture gpt-oss-20b|gpt-oss-120b] [--tokens 8192]

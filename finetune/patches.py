@@ -112,7 +112,7 @@ says what to revisit and which test fails first.
   targets: torch 2.11 (H200, bf16) and 2.13 (CPU).
   guarded by: test_expert_lora.py::test_the_grouped_experts_trace_whole_under_torch_compile[bfloat16 grouped_mm] and
   ::test_grouped_expert_lora_gives_peft_outputs_and_gradients.
-- `mxfp4_experts.make_resident`, `mxfp4_loading.load` (finetune/mxfp4_experts.py, finetune/mxfp4_loading.py)
+- `mxfp4_experts.make_resident`, `mxfp4_loading.load` (finetune/models/mxfp4_experts.py, finetune/models/mxfp4_loading.py)
   does: swaps the class of each GPT-OSS experts module for a subclass whose forward is expert_lora's grouped path,
   replaces its `gate_up_proj`/`down_proj` with one-element zero-stride placeholders beside uint8 blocks and scales
   buffers, and fills a model built on the meta device (accelerate's `init_empty_weights`) from the safetensors shards,

@@ -1,4 +1,4 @@
-"""GPT-OSS experts resident in MXFP4 (`dequantize_mxfp4: false`; finetune/mxfp4_experts.py, finetune/mxfp4_loading.py)
+"""GPT-OSS experts resident in MXFP4 (`dequantize_mxfp4: false`; finetune/models/mxfp4_experts.py, finetune/models/mxfp4_loading.py)
 compute what the dequantize-at-load path computes, bit for bit: the tiny GPT-OSS written as the hub ships it, loaded
 through the recipe's model loading both ways, trained a few steps with LoRA through peft and the grouped expert LoRA;
 losses and every adapter gradient are equal (exactly: both paths run the same GEMMs on the same float32 weights).

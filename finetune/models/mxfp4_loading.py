@@ -1,5 +1,5 @@
 """Loading a GPT-OSS MXFP4 checkpoint with its experts kept as stored (`dequantize_mxfp4: false`): the model is built
-on the meta device, its experts made resident (finetune/mxfp4_experts.py), and every tensor is copied from the
+on the meta device, its experts made resident (finetune/models/mxfp4_experts.py), and every tensor is copied from the
 safetensors shards straight into its place on the device, one tensor at a time: blocks and scales as uint8, the rest
 in the training dtype. No bf16 copy of the experts exists anywhere, and host memory holds at most one tensor of a
 memory-mapped shard.

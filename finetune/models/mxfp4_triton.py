@@ -1,4 +1,4 @@
-"""The MXFP4 dequantizer of finetune/mxfp4_experts.py as one Triton kernel for the GPU, bit-equal to its torch
+"""The MXFP4 dequantizer of finetune/models/mxfp4_experts.py as one Triton kernel for the GPU, bit-equal to its torch
 reference (`mxfp4_experts.dequantize`) and without its temporaries: reads 4.25 bits per value, writes the weight once.
 Importing this module needs triton; mxfp4_experts falls back to the reference without it.
 """

@@ -150,7 +150,7 @@ class FinetuneArguments:
         metadata={"help": "MXFP4 checkpoints (openai/gpt-oss-*): true dequantizes the experts to the training dtype "
                           "on load; false keeps them resident in MXFP4 on the GPU (a quarter of the memory) and "
                           "dequantizes each layer's just before its GEMMs, with bit-equal results "
-                          "(finetune/mxfp4_experts.py; one process, expert_lora_kernel: grouped)."},
+                          "(finetune/models/mxfp4_experts.py; one process, expert_lora_kernel: grouped)."},
     )
     resume_with_new_schedule: bool = field(
         default=False,
