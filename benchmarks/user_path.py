@@ -15,7 +15,9 @@ another new folder with that cache warm, as its own row.
 
 `--all --part N` runs half of everything within `--budget` seconds (one device call under 10 minutes): part 1 the
 Llama recipes, a second launch, SIGTERM at three moments (loading, compiling the first step, mid-run) and Unsloth on
-the same row lengths; part 2 GPT-OSS-20B with and without checkpointing and Unsloth's GPT-OSS. What the budget leaves
+the same row lengths; part 2 GPT-OSS-20B with and without checkpointing and Unsloth's GPT-OSS. Parts 3 to 5 are the
+resident-MXFP4 rows (docs/gpt-oss.md): GPT-OSS-120B on one GPU (its 61 GiB folder written to /dev/shm), GPT-OSS-20B
+resident against dequantized, resident with checkpointing and Unsloth's GPT-OSS. What the budget leaves
 no time for is reported as not run. The models are written once per machine, each by a process of its own: this
 process never touches the GPU, so a case trains on a GPU that holds nothing else. The rows' token lengths (the
 model's tokenizer and chat template) are written beside the results (OUT/lengths_<family>.json), for Unsloth
@@ -46,7 +48,15 @@ CASES = {  # name: recipe, model folder, extra flags
     "llama3b_qlora": ("llama-3.2-3b/qlora.yaml", "llama3b", []),
     "gptoss20b_lora": ("gpt-oss-20b/lora.yaml", "gpt-oss-20b", []),
     "gptoss20b_lora_ckpt": ("gpt-oss-20b/lora.yaml", "gpt-oss-20b", ["--gradient_checkpointing", "true"]),
+    "gptoss20b_resident": ("gpt-oss-20b/lora.yaml", "gpt-oss-20b", ["--dequantize_mxfp4", "false"]),
+    "gptoss20b_resident_ckpt": ("gpt-oss-20b/lora.yaml", "gpt-oss-20b",
+                                ["--dequantize_mxfp4", "false", "--gradient_checkpointing", "true"]),
+    "gptoss120b_lora": ("gpt-oss-120b/lora.yaml", "gpt-oss-120b", []),
 }
+# An optimizer step of the 120B recipe is 16 rows of 2,048 tokens: 8 steps give 3 after the warm-up ones
+STEPS_OF_CASE = {"gptoss120b_lora": 8}
+# The GPU machine's disk (64 GiB) cannot hold GPT-OSS-120B's 61 GiB folder: it is written to memory (a tmpfs)
+BIG_MODELS = Path(os.environ.get("USER_PATH_BIG_MODELS", "/dev/shm/finetune-up"))
 ARCHITECTURES = {"llama3b": "meta-llama/Llama-3.2-3B-Instruct", "llama1b": "meta-llama/Llama-3.2-1B-Instruct"}
 
 
@@ -83,8 +93,8 @@ def write_llama(name: str, folder: Path) -> None:
     tokenizer.save_pretrained(folder)
 
 
-def write_gpt_oss(folder: Path) -> None:
-    """Stored as openai/gpt-oss-20b is (MXFP4 experts, bf16 rest), random tensors drawn on the GPU."""
+def write_gpt_oss(folder: Path, architecture: str) -> None:
+    """Stored as openai/gpt-oss-20b and -120b are (MXFP4 experts, bf16 rest), random tensors drawn on the GPU."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -93,7 +103,7 @@ def write_gpt_oss(folder: Path) -> None:
     from finetune.models import tiny
 
     tokenizer = tiny.build_tiny_tokenizer("gpt-oss")
-    config = load_architecture("gpt-oss-20b")
+    config = load_architecture(architecture)
     config.bos_token_id, config.eos_token_id, config.pad_token_id = (
         tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id)
     with torch.device("meta"):
@@ -131,11 +141,18 @@ def family(model: str) -> str:
     return "gpt-oss" if model.startswith("gpt-oss") else "llama"
 
 
+def model_folder(work: Path, name: str) -> Path:
+    return BIG_MODELS / name if name == "gpt-oss-120b" else work / name
+
+
 def write_model(name: str, work: Path) -> None:
-    """WORK/NAME, written into a folder beside it and renamed when whole: a write cut short is not taken for a model."""
-    folder, partial = work / name, work / f"{name}.partial"
+    """The model's folder, written into one beside it and renamed when whole: a write cut short is not taken for a
+    model."""
+    folder = model_folder(work, name)
+    partial = folder.with_name(f"{name}.partial")
     shutil.rmtree(partial, ignore_errors=True)
-    write_gpt_oss(partial) if name == "gpt-oss-20b" else write_llama(name, partial)
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    write_gpt_oss(partial, name) if family(name) == "gpt-oss" else write_llama(name, partial)
     partial.rename(folder)
 
 
@@ -146,7 +163,7 @@ def prepare(work: Path, out: Path, models: set[str], timeout: float) -> list[dic
         write_chat_rows(work / "data")
     failed = []
     for name in sorted(models):
-        folder = work / name
+        folder = model_folder(work, name)
         if not (folder / "config.json").exists():
             command = [sys.executable, __file__, "--write_model", name, "--work", str(work)]
             code = launch(command, out / f"write_{name}.log", timeout)[1]
@@ -166,7 +183,7 @@ def launch_command(name: str, work: Path, output_dir: Path, accelerate_config: s
     config = ["--config_file", str(ROOT / "accelerate_configs" / accelerate_config)] if accelerate_config else []
     return [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", *config, "--num_processes", "1",
             str(ROOT / "scripts" / "sft.py"), "--config", str(ROOT / "recipes" / recipe),
-            "--model_name_or_path", str(work / model), "--dataset_name", str(work / "data"), "--logging_steps", "1",
+            "--model_name_or_path", str(model_folder(work, model)), "--dataset_name", str(work / "data"), "--logging_steps", "1",
             "--eval_strategy", "no", "--eval_samples_before_after", "0", "--output_dir", str(output_dir), *flags,
             *extra]
 
@@ -266,6 +283,7 @@ def run_case(name: str, work: Path, out: Path, steps: int, timeout: float, accel
     cache = work / "compile-cache" / name
     if not second:
         shutil.rmtree(cache, ignore_errors=True)
+    steps = STEPS_OF_CASE.get(name, steps)
     command = launch_command(name, work, output_dir, accelerate_config, "--max_steps", str(steps),
                              "--save_strategy", "no", *flags)
     log_path = out / f"{label.replace(' ', '_').strip('()')}.log"
@@ -377,6 +395,9 @@ PARTS = {
         ("sigterm", "llama3b_lora"), ("unsloth", "llama")],
     2: [("run", "gptoss20b_lora_ckpt"), ("run", "gptoss20b_lora"), ("unsloth", "gpt-oss"),
         ("second", "gptoss20b_lora_ckpt")],
+    3: [("run", "gptoss120b_lora")],
+    4: [("run", "gptoss20b_resident"), ("run", "gptoss20b_lora")],
+    5: [("run", "gptoss20b_resident_ckpt"), ("unsloth", "gpt-oss")],
 }
 LEAST_SECONDS = 60  # no task starts with less of the budget left
 

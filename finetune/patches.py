@@ -140,6 +140,12 @@ says what to revisit and which test fails first.
   why: recompilations are what finetune_speed.json shows first; torch has no public count.
   targets: torch 2.11 and 2.13.
   guarded by: test_compile_once.py::test_compiled_recipes_compile_once_for_rows_of_every_length.
+- `torch._dynamo.utils.compilation_time_metrics` (finetune/run/speed.py, `compile_seconds`)
+  does: reads dynamo's private table of seconds per timed compile phase (what `torch._dynamo.utils.compile_times`
+  prints).
+  why: the first step's wait is mostly compiling; which phase takes it decides what to shorten.
+  targets: torch 2.11 and 2.13 (a dict of phase name to a list of seconds).
+  guarded by: test_compile_once.py::test_compiled_recipes_compile_once_for_rows_of_every_length.
 - `resume.apply_learning_rate` (finetune/checks/resume.py, `--resume_with_new_schedule`)
   does: rewrites the Trainer's LambdaLR `base_lrs` and each optimizer group's `initial_lr` and `lr`, reading
   `lr_lambdas` and `last_epoch`: no underscore, but the scheduler's state, not an interface for changing it.

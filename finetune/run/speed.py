@@ -46,6 +46,14 @@ def compiled_graphs() -> int:
     return counters["stats"]["unique_graphs"]
 
 
+def compile_seconds() -> dict[str, float]:
+    """Seconds spent so far in each timed phase of compiling (dynamo's tracing, AOTAutograd, inductor's lowering and
+    code generation, waiting for the Triton workers), summed over the graphs: where a first step's wait goes."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    return {phase: round(sum(times), 2) for phase, times in compilation_time_metrics.items() if sum(times) >= 0.05}
+
+
 class SpeedRecord(TrainerCallback):
     def __init__(self, output_dir: str, is_main_process: bool):
         self.path = Path(output_dir) / SPEED_RECORD
@@ -96,6 +104,7 @@ class SpeedRecord(TrainerCallback):
             "seconds_to_last_step": round(last["time"] - self.started, 2),
             "steps": last["step"] - first["step"] + 1,
             "compiled_graphs": last["compiled_graphs"],
+            "compile_seconds": compile_seconds(),
             "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available()
             else None,
             "step_log": self.steps,
