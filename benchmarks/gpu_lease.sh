@@ -15,4 +15,4 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site2 .uw/*.whl
 # graph breaks are logged: where a compiled first step's wait goes, beside finetune_speed.json's compile_seconds
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 HF_HUB_OFFLINE=1 TORCH_LOGS=graph_breaks
-python3 benchmarks/user_path.py --all --part "$part" --work runs/up --out "${OUT:-runs/up/results}/up" --budget "${BUDGET:-520}"
+python3 benchmarks/user_path.py --all --part "$part" --flags "${FLAGS:-}" --work runs/up --out "${OUT:-runs/up/results}/up" --budget "${BUDGET:-520}"

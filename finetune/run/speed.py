@@ -107,6 +107,9 @@ class SpeedRecord(TrainerCallback):
             "compile_seconds": compile_seconds(),
             "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available()
             else None,
+            # each retry freed the allocator's cache and waited for the GPU: memory near full, every step slower
+            "allocator_retries": torch.cuda.memory_stats().get("num_alloc_retries") if torch.cuda.is_available()
+            else None,
             "step_log": self.steps,
         }
         if counted:
