@@ -93,8 +93,9 @@ def write_llama(name: str, folder: Path) -> None:
     tokenizer.save_pretrained(folder)
 
 
-def write_gpt_oss(folder: Path, architecture: str) -> None:
-    """Stored as openai/gpt-oss-20b and -120b are (MXFP4 experts, bf16 rest), random tensors drawn on the GPU."""
+def write_gpt_oss(folder: Path, architecture: str, layers: int | None = None) -> None:
+    """Stored as openai/gpt-oss-20b and -120b are (MXFP4 experts, bf16 rest), random tensors drawn on the GPU; with
+    LAYERS, only the first ones (a profile of one layer's work needs no whole model)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -104,6 +105,8 @@ def write_gpt_oss(folder: Path, architecture: str) -> None:
 
     tokenizer = tiny.build_tiny_tokenizer("gpt-oss")
     config = load_architecture(architecture)
+    if layers:
+        config.num_hidden_layers, config.layer_types = layers, config.layer_types[:layers]
     config.bos_token_id, config.eos_token_id, config.pad_token_id = (
         tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id)
     with torch.device("meta"):
