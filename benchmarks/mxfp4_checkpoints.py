@@ -78,6 +78,25 @@ def to_hub_tensors(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
     return {name: tensor.detach().to(torch.bfloat16).contiguous()}
 
 
+def random_hub_tensors(shapes: dict, generator: torch.Generator, dtype: torch.dtype = torch.bfloat16):
+    """(name, tensor) of a GPT-OSS state dict's SHAPES as the hub stores them, random: the experts as FP4 codes with
+    scales around 2**-7 (values within +-0.05), the norms 1, the rest N(0, 0.02) in DTYPE; drawn on the generator's
+    device one tensor at a time and handed over on the CPU."""
+    device = generator.device
+    for name, shape in shapes.items():
+        if name.endswith(EXPERT_WEIGHTS):
+            experts, columns, rows = shape
+            groups = columns // BLOCK
+            yield f"{name}_blocks", torch.randint(0, 256, (experts, rows, groups, 16), dtype=torch.uint8,
+                                                  generator=generator, device=device).cpu()
+            yield f"{name}_scales", torch.randint(118, 122, (experts, rows, groups), dtype=torch.uint8,
+                                                  generator=generator, device=device).cpu()
+        elif name.endswith("norm.weight"):
+            yield name, torch.ones(shape, dtype=dtype)
+        else:
+            yield name, (torch.randn(shape, generator=generator, device=device) * 0.02).to(dtype).cpu()
+
+
 def write_checkpoint(config, named_tensors, folder: Path, shard_bytes: int = 4 << 30) -> Path:
     """Write a GPT-OSS model as the hub ships it: `model-0000N-of-0000M.safetensors` shards, their
     `model.safetensors.index.json` and a config.json with MXFP4 `quantization_config` and bf16 dtype.

@@ -42,23 +42,8 @@ def write_random_checkpoint(folder: Path, layers: int) -> None:
     with torch.device("meta"):
         shapes = {name: tensor.shape for name, tensor in AutoModelForCausalLM.from_config(config).state_dict().items()}
     generator = torch.Generator().manual_seed(0)
-
-    def tensors():
-        for name, shape in shapes.items():
-            # experts: random FP4 codes, scales around 2**-7: values within +-0.05
-            if name.endswith(mxfp4_checkpoints.EXPERT_WEIGHTS):
-                experts, columns, rows = shape
-                groups = columns // mxfp4_checkpoints.BLOCK
-                yield f"{name}_blocks", torch.randint(0, 256, (experts, rows, groups, 16), dtype=torch.uint8,
-                                                      generator=generator)
-                yield f"{name}_scales", torch.randint(118, 122, (experts, rows, groups), dtype=torch.uint8,
-                                                      generator=generator)
-            elif name.endswith("norm.weight"):
-                yield name, torch.ones(shape)
-            else:
-                yield name, torch.randn(shape, generator=generator) * 0.02
-
-    mxfp4_checkpoints.write_checkpoint(config, tensors(), folder)
+    mxfp4_checkpoints.write_checkpoint(config, mxfp4_checkpoints.random_hub_tensors(shapes, generator, torch.float32),
+                                       folder)
 
 
 def measure(folder: Path, device: str, device_map: bool) -> dict:

@@ -1,3 +1,7 @@
+#!/usr/bin/env bash
+# One device call (carry [".whl"]): a 4-layer GPT-OSS-120B written as the hub ships it, then one micro-batch of the
+# 120B recipe profiled (benchmarks/profile_step.py) with the experts resident and dequantized; tables in $OUT.
+#   bash benchmarks/profile_lease.sh
 set -u
 for pid in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null); do kill -9 "$pid" 2>/dev/null; done
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl

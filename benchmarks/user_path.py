@@ -112,22 +112,7 @@ def write_gpt_oss(folder: Path, architecture: str, layers: int | None = None) ->
     with torch.device("meta"):
         shapes = {name: t.shape for name, t in AutoModelForCausalLM.from_config(config).state_dict().items()}
     generator = torch.Generator(device="cuda").manual_seed(0)
-
-    def tensors():
-        for name, shape in shapes.items():
-            if name.endswith(mxfp4_checkpoints.EXPERT_WEIGHTS):
-                experts, columns, rows = shape
-                groups = columns // mxfp4_checkpoints.BLOCK
-                yield f"{name}_blocks", torch.randint(0, 256, (experts, rows, groups, 16), dtype=torch.uint8,
-                                                      generator=generator, device="cuda").cpu()
-                yield f"{name}_scales", torch.randint(118, 122, (experts, rows, groups), dtype=torch.uint8,
-                                                      generator=generator, device="cuda").cpu()
-            elif name.endswith("norm.weight"):
-                yield name, torch.ones(shape, dtype=torch.bfloat16)
-            else:
-                yield name, (torch.randn(shape, generator=generator, device="cuda") * 0.02).to(torch.bfloat16).cpu()
-
-    mxfp4_checkpoints.write_checkpoint(config, tensors(), folder)
+    mxfp4_checkpoints.write_checkpoint(config, mxfp4_checkpoints.random_hub_tensors(shapes, generator), folder)
     tokenizer.save_pretrained(folder)
 
 
