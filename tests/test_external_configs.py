@@ -236,11 +236,14 @@ def test_mixed_precision_no_gives_way_to_the_recipe_and_says_so(tmp_path, monkey
 
 def json_run(recipe_bf16: bool, compiled: bool = False):
     """What check_deepspeed_agrees reads of a run of recipes/llama-3.2-1b/full.yaml: on a GPU (bf16) or on this
-    machine (float32)."""
+    machine (float32), launched as the environment says."""
     training = SimpleNamespace(per_device_train_batch_size=8, gradient_accumulation_steps=2, max_grad_norm=1.0,
                                bf16=recipe_bf16, fp16=False, optim=SimpleNamespace(value="adamw_torch_fused"),
                                lr_scheduler_type=SimpleNamespace(value="cosine"), torch_compile=compiled)
-    return SimpleNamespace(training=training, recipe_path=str(ROOT / "recipes" / "llama-3.2-1b" / "full.yaml"))
+    from finetune.config.launch_request import read_launch_request
+
+    return SimpleNamespace(training=training, recipe_path=str(ROOT / "recipes" / "llama-3.2-1b" / "full.yaml"),
+                           launch=read_launch_request())
 
 
 ACCELERATE_TEMPLATE_WORDS = [

@@ -8,6 +8,7 @@ The dequantizer is checked against benchmarks/mxfp4_checkpoints.py's reader, wri
 and the Triton kernel (under TRITON_INTERPRET=1, skipped without triton) against the dequantizer.
 """
 
+import dataclasses
 import importlib
 
 import pytest
@@ -209,7 +210,7 @@ def test_resident_experts_in_more_than_one_process_are_refused_before_loading(mx
 
     run = arguments.parse_args(["--config", "recipes/gpt-oss-20b/lora.yaml", "--model_name_or_path", str(mxfp4_folder),
                              "--output_dir", str(tmp_path / "out"), "--dequantize_mxfp4", "false"])
-    monkeypatch.setattr(recipe_checks, "requested_strategy", lambda: "ddp")  # what a 2-process DDP launch's variables say
+    run.launch = dataclasses.replace(run.launch, strategy="ddp", world_size=2)  # what a 2-process DDP launch reads
     with pytest.raises(UserError, match="keeps the experts resident in MXFP4 in one process only, and this launch "
                                         "runs ddp"):
         recipe_checks.check(run)

@@ -3,6 +3,7 @@ resume" table): every field of the table is changed once against a run folder ho
 run record of the original launch. No model loads here; tests/test_preemption_single.py resumes real runs with a new
 learning rate and cadence and checks that they are applied."""
 
+import dataclasses
 import json
 import os
 import re
@@ -356,16 +357,15 @@ def test_another_process_count_rescales_the_accumulation_under_ddp_and_is_refuse
                                                                                                capsys):
     output_dir = run_folder(tmp_path)  # one process, gradient_accumulation_steps 2
     run = parse_args([*LORA, "--output_dir", str(output_dir)])
-    monkeypatch.setenv("WORLD_SIZE", "2")
+    # what a launch of 2 DDP processes reads (parsed as one process: the arguments would set up a process group)
+    run.launch = dataclasses.replace(run.launch, world_size=2, strategy="ddp")
     relaunch_checks.check_output_dir(run)
     assert run.training.gradient_accumulation_steps == 1
     assert "of 1 process(es) with 2: gradient_accumulation_steps 2 -> 1, so each step takes the same rows" in \
         capsys.readouterr().out
     for world_size, strategy in (("4", "ddp"), ("2", "zero3")):
-        monkeypatch.setenv("WORLD_SIZE", "1")  # parsed as one process (the arguments would set up a process group)
         run = parse_args([*LORA, "--output_dir", str(output_dir)])
-        monkeypatch.setenv("WORLD_SIZE", world_size)
-        monkeypatch.setattr("finetune.config.launch_request.requested_strategy", lambda: strategy)
+        run.launch = dataclasses.replace(run.launch, world_size=int(world_size), strategy=strategy)
         with pytest.raises(UserError) as refused:
             relaunch_checks.check_output_dir(run)
         assert f"was trained by 1 process(es) and this relaunch runs {world_size}" in str(refused.value)

@@ -12,12 +12,7 @@ from finetune import families
 from finetune.checks import launch as accelerate_checks
 from finetune.checks.relaunch import check_output_dir, check_resume_checkpoint
 from finetune.config import numbers
-from finetune.config.launch_request import (
-    accelerate_config_file,
-    asked_deepspeed_file,
-    read_deepspeed_config,
-    requested_strategy,
-)
+from finetune.config.launch_request import read_deepspeed_config
 from finetune.errors import UserError, one_sentence
 from finetune.models import cpu, fp8
 
@@ -224,7 +219,7 @@ def check_mxfp4(run, source: str) -> None:
     if not mxfp4.is_mxfp4_checkpoint(name):
         return
     if not run.finetune.dequantize_mxfp4:
-        strategy = requested_strategy()
+        strategy = run.launch.strategy
         if strategy != "single":
             raise UserError(f"{source}: `dequantize_mxfp4: false` keeps the experts resident in MXFP4 in one process "
                             f"only, and this launch runs {strategy}; launch one process or set `dequantize_mxfp4: "
@@ -263,8 +258,8 @@ def deepspeed_config_asked(run) -> tuple[str, dict] | None:
     """The DeepSpeed JSON the run asks for and where it is named, whichever way it arrives: an accelerate config's
     deepspeed_config_file, or transformers' own `deepspeed` training argument (a flag or a recipe key: a file's path,
     or the JSON itself as a mapping), which transformers reads without the launcher's checks."""
-    if asked_deepspeed_file():
-        return asked_deepspeed_file(), read_deepspeed_config(asked_deepspeed_file())
+    if run.launch.deepspeed_file:
+        return run.launch.deepspeed_file, run.launch.deepspeed_config
     asked = run.training.deepspeed
     if not asked:
         return None
@@ -281,9 +276,9 @@ def strategy_asked(run) -> tuple[str, str]:
     """What the launch asks for (fsdp, zero1-3, ddp or single) and the file or field that asks for it: transformers'
     `deepspeed` training argument, when the launcher asks for no DeepSpeed of its own, else the accelerate config."""
     asked = deepspeed_config_asked(run)
-    if asked and not asked_deepspeed_file():
+    if asked and not run.launch.deepspeed_file:
         return f"zero{asked[1]['zero_optimization'].get('stage', 0)}", asked[0]
-    return requested_strategy(), accelerate_config_file()
+    return run.launch.strategy, run.launch.config_file
 
 
 def check_deepspeed_agrees(run) -> None:
@@ -295,7 +290,7 @@ def check_deepspeed_agrees(run) -> None:
     if asked is None:
         return
     config_file, written = asked
-    if not asked_deepspeed_file():  # the launcher's JSON is checked with its request (checks/launch.py)
+    if not run.launch.deepspeed_file:  # the launcher's JSON is checked with its request (checks/launch.py)
         accelerate_checks.check_deepspeed_json(written, config_file)
     deepspeed = {**DEEPSPEED_UNSET, **written}
     training = run.training
@@ -303,8 +298,7 @@ def check_deepspeed_agrees(run) -> None:
               f"the recipe's `{recipe_key}: {getattr(training, recipe_key)}`"
               for key, recipe_key in DEEPSPEED_RECIPE_KEYS.items()
               if not _deepspeed_value_is(deepspeed.get(key, "auto"), getattr(training, recipe_key))]
-    batch = training.per_device_train_batch_size * training.gradient_accumulation_steps * int(
-        os.environ.get("WORLD_SIZE", "1"))
+    batch = training.per_device_train_batch_size * training.gradient_accumulation_steps * run.launch.world_size
     if not _deepspeed_value_is(deepspeed.get("train_batch_size", "auto"), batch):
         values.append(f"`train_batch_size: {deepspeed['train_batch_size']}` is not the recipe's per-device batch "
                       f"× accumulation × processes, {batch}")

@@ -76,7 +76,7 @@ def _plain(value):
 
 def _value(run, name: str):
     if name == "world_size":
-        return int(os.environ.get("WORLD_SIZE", "1"))
+        return run.launch.world_size
     if name == "data_fingerprint":
         return run.data_fingerprint
     for section in (run.training, run.model, run.script, run.finetune):
@@ -155,17 +155,15 @@ def keep_global_batch(run, recorded: dict, checkpoint: Path, output_dir: Path) -
     take the batches one process accumulating N*k takes); said in one line. Refused where that cannot hold: a sharded
     FSDP or ZeRO state, an accumulation that does not divide, or one changed by this relaunch too. True when
     rescaled."""
-    from finetune.config.launch_request import requested_strategy
-
     before, after = recorded.get("world_size"), _value(run, "world_size")
     accumulation = recorded.get("gradient_accumulation_steps")
     if before is None or before == after or accumulation is None:
         return False
-    if (requested_strategy() not in ("single", "ddp") or accumulation != run.training.gradient_accumulation_steps
+    if (run.launch.strategy not in ("single", "ddp") or accumulation != run.training.gradient_accumulation_steps
             or (accumulation * before) % after):
         raise UserError(
             f"{output_dir}: {checkpoint.name} was trained by {before} process(es) and this relaunch runs {after}, which "
-            f"it cannot continue with under {requested_strategy()} with `gradient_accumulation_steps` "
+            f"it cannot continue with under {run.launch.strategy} with `gradient_accumulation_steps` "
             f"{run.training.gradient_accumulation_steps} (the global batch and the rows each step takes would change); "
             f"relaunch with {before} processes, or pick a new --output_dir."
         )

@@ -4,6 +4,7 @@ DeepSpeed and its JSON), and the strategy they name. Read without torch."""
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from finetune.config.files import local_or_shipped
@@ -123,16 +124,36 @@ def asked_deepspeed_file() -> str | None:
     return (os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or None) if deepspeed_asked_for() else None
 
 
-def requested_strategy() -> str:
-    """What the accelerate config file asked for: fsdp, zero1-3, ddp or single."""
+@dataclass(frozen=True)
+class LaunchRequest:
+    """What the launch asked for, read once (`read_launch_request`, when the run's arguments are parsed) and carried
+    on the run's RunConfig: every check and the run's setup check read it there."""
+
+    strategy: str  # fsdp, zero1-3, ddp or single
+    config_file: str  # the accelerate config file as given to the launcher, or words for none (for messages)
+    deepspeed_file: str | None  # the DeepSpeed JSON the launch passes on
+    deepspeed_config: dict | None  # that JSON, read once
+    world_size: int
+
+
+def read_launch_request() -> LaunchRequest:
+    """The launch request of this process, from accelerate's exported variables and its launcher's arguments. A
+    DeepSpeed JSON that cannot be used is the one-sentence UserError of `read_deepspeed_config`."""
+    deepspeed_file = asked_deepspeed_file()
+    deepspeed_config = read_deepspeed_config(deepspeed_file) if deepspeed_file else None
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if fsdp_asked_for():
-        return "fsdp"
-    if deepspeed_asked_for():
-        config_file = asked_deepspeed_file()
+        strategy = "fsdp"
+    elif deepspeed_asked_for():
         stage = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")
-        if config_file:
-            stage = str(read_deepspeed_config(config_file).get("zero_optimization", {}).get("stage", stage))
-        return f"zero{stage}"
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        return "ddp"
-    return "single"
+        if deepspeed_config is not None:
+            stage = str(deepspeed_config.get("zero_optimization", {}).get("stage", stage))
+        strategy = f"zero{stage}"
+    else:
+        strategy = "ddp" if world_size > 1 else "single"
+    return LaunchRequest(strategy, accelerate_config_file(), deepspeed_file, deepspeed_config, world_size)
+
+
+def requested_strategy() -> str:
+    """What the accelerate config file asked for (fsdp, zero1-3, ddp or single), for code that has no RunConfig."""
+    return read_launch_request().strategy

@@ -17,7 +17,6 @@ all-gather tensors, neither of which a Trainer-built Accelerator lets a recipe c
 
 import torch
 
-from finetune.config.launch_request import accelerate_config_file, requested_strategy
 from finetune.errors import UserError
 
 # Float8 tensor cores: Ada Lovelace (L4, L40S, RTX 40xx: 8.9) and Hopper (H100, H200: 9.0) onwards; torchao's float8
@@ -48,9 +47,8 @@ def check(run, source: str) -> None:
     if run.model.load_in_4bit or run.model.load_in_8bit:
         raise UserError(f"{source}: `fp8: true` cannot train quantized base weights (`load_in_4bit`/`load_in_8bit`, "
                         f"QLoRA); remove one of the two.")
-    strategy = requested_strategy()
-    if strategy.startswith("zero"):
-        raise UserError(f"{accelerate_config_file()}: `fp8: true` trains under DDP or FSDP2, not DeepSpeed; launch "
+    if run.launch.strategy.startswith("zero"):
+        raise UserError(f"{run.launch.config_file}: `fp8: true` trains under DDP or FSDP2, not DeepSpeed; launch "
                         f"with accelerate_configs/ddp.yaml or fsdp.yaml instead.")
     problem = hardware_problem()
     if problem:

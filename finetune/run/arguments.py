@@ -24,13 +24,7 @@ from trl import ModelConfig, ScriptArguments, SFTConfig, TrlParser
 from finetune import patches
 from finetune.config import numbers
 from finetune.config.files import RENAMED_KEYS, read_foreign_keys, read_recipe, refuse_unknown_keys, shipped
-from finetune.config.launch_request import (
-    FSDP_V1_REFUSAL,
-    accelerate_config_file,
-    asked_deepspeed_file,
-    read_deepspeed_config,
-    requested_strategy,
-)
+from finetune.config.launch_request import FSDP_V1_REFUSAL, LaunchRequest, read_deepspeed_config, read_launch_request
 from finetune.config.schema import CHECKPOINTING_NAMES
 from finetune.errors import UserError, one_sentence, say
 from finetune.json_files import write_atomically
@@ -189,6 +183,7 @@ class RunConfig:
     # this launch resumes from
     recorded_settings: dict = field(default_factory=dict)
     resumes_from: Path | None = None
+    launch: LaunchRequest = field(default_factory=read_launch_request)  # what the launcher asked for, read once
 
 
 def _flag_error(message: str):
@@ -297,12 +292,12 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
         renamed = f" (now --{RENAMED_KEYS[old_name]})" if old_name in RENAMED_KEYS else ""
         raise UserError(f"command line: unknown flag {unknown[0]}{renamed}; check its spelling with "
                         f"`scripts/sft.py --help`.")
-    if requested_strategy() == "fsdp" and os.environ.get("FSDP_VERSION", "1") != "2":
-        raise UserError(f"{accelerate_config_file()}: {FSDP_V1_REFUSAL}")  # before the CPU shim builds FSDP1's plugin
+    # read once here, before TrainingArguments reads a DeepSpeed JSON and fails in its own words, and carried
+    launch = read_launch_request()
+    if launch.strategy == "fsdp" and os.environ.get("FSDP_VERSION", "1") != "2":
+        raise UserError(f"{launch.config_file}: {FSDP_V1_REFUSAL}")  # before the CPU shim builds FSDP1's plugin
     values, _ = parser.parse_known_args(args=argv)  # as given, before the dataclasses' __post_init__ reads them
-    if asked_deepspeed_file():
-        read_deepspeed_config(asked_deepspeed_file())  # before TrainingArguments reads it and fails in its own words
-    elif isinstance(values.deepspeed, str) and not values.deepspeed.lstrip().startswith("{"):
+    if not launch.deepspeed_file and isinstance(values.deepspeed, str) and not values.deepspeed.lstrip().startswith("{"):
         read_deepspeed_config(values.deepspeed, recipe_path or "command line", field="`deepspeed`")  # likewise
     try:
         with cpu.cpu_environment() if cpu.on_cpu() else contextlib.nullcontext():
@@ -327,7 +322,8 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
     _data_of_the_command_line(script, finetune, _flags_given(argv))
     if finetune.tiny:
         _scale_down_for_tiny(script, training, finetune, _flags_given(argv))
-    return RunConfig(script, training, model, finetune, recipe_path, set(recipe) | _flags_given(argv), env)
+    return RunConfig(script, training, model, finetune, recipe_path, set(recipe) | _flags_given(argv), env,
+                     launch=launch)
 
 
 def apply_to_process(run: RunConfig) -> None:

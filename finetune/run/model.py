@@ -12,7 +12,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, 
 from trl import get_peft_config, get_quantization_config
 
 from finetune import families
-from finetune.config.launch_request import requested_strategy
 from finetune.errors import UserError, first_line
 from finetune.models import attention, cpu, mxfp4, mxfp4_loading
 from finetune.run.arguments import RunConfig
@@ -77,7 +76,7 @@ def model_init_kwargs(run: RunConfig, model_path: str) -> dict:
         # Training needs the experts in the training dtype: MXFP4 weights have no gradients. (transformers 5.24
         # dequantizes to the dtype the model loads in, 5.17 to bf16; FP4 values times powers of two are exact in both.)
         kwargs["quantization_config"] = Mxfp4Config(dequantize=True)
-        if not cpu.on_cpu() and requested_strategy() not in ("fsdp", "zero3"):
+        if not cpu.on_cpu() and run.launch.strategy not in ("fsdp", "zero3"):
             # Dequantized on the process's own GPU instead of the CPU: GPT-OSS-20B on the H200 loads in 2.7 s with
             # 14 GiB of host memory, against 79 s and 50 GiB per process on the CPU (docs/gpt-oss.md). Sharded
             # strategies load on the CPU and place the shards themselves.

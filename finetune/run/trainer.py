@@ -3,7 +3,6 @@ resume from the output folder, a generation config that stops, a record of the r
 """
 
 import json
-import os
 from pathlib import Path
 
 import torch
@@ -14,7 +13,7 @@ from trl import SFTTrainer
 from finetune import json_files, outcome, patches, run_folder
 from finetune.checks import resume
 from finetune.checks.relaunch import run_identity, training_length
-from finetune.config.launch_request import accelerate_config_file, requested_strategy
+from finetune.config.launch_request import LaunchRequest
 from finetune.errors import UserError, say
 from finetune.models import compilation, expert_lora, fp8
 from finetune.run import evaluation, out_of_memory, saving, speed, tracking
@@ -121,19 +120,19 @@ def setup_problem(setup: dict, requested: str, launched_world_size: int) -> str 
 class SetupCheck(TrainerCallback):
     """Logs the setup once the model is wrapped, and stops the run before step 1 if it is not what was asked for."""
 
-    def __init__(self, trainer: SFTTrainer, config_file: str):
+    def __init__(self, trainer: SFTTrainer, launch: LaunchRequest):
         self.trainer = trainer
-        self.config_file = config_file
+        self.launch = launch
         self.setup: dict | None = None
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.setup = describe_setup(self.trainer)
         if self.trainer.accelerator.is_main_process:
             say(f"setup: {json.dumps(self.setup)}")
-        problem = setup_problem(self.setup, requested_strategy(), int(os.environ.get("WORLD_SIZE", "1")))
+        problem = setup_problem(self.setup, self.launch.strategy, self.launch.world_size)
         if problem:
             raise SetupMismatch(
-                f"{self.config_file}: {problem}; fix distributed_type/num_processes in that file or launch with the "
+                f"{self.launch.config_file}: {problem}; fix distributed_type/num_processes in that file or launch with the "
                 f"config that matches what you want."
             )
 
@@ -192,7 +191,7 @@ def build_trainer(run: RunConfig, model: PreTrainedModel, tokenizer, train_set, 
         trainer.add_callback(compilation.CompileNotice(model, "LoRA" if run.model.use_peft else "full",
                                                        run.training.gradient_checkpointing,
                                                        trainer.accelerator.is_main_process))
-    setup_check = SetupCheck(trainer, accelerate_config_file())
+    setup_check = SetupCheck(trainer, run.launch)
     trainer.add_callback(setup_check)
     if tracking.wanted(run.training):
         trainer.add_callback(tracking.MlflowRecord(run, setup_check))
