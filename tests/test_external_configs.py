@@ -13,6 +13,7 @@ several GPUs (DDP, FSDP2, ZeRO-3) train two CPU processes for real (about 30-90 
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -438,3 +439,42 @@ def test_a_deepspeed_json_accelerate_or_deepspeed_would_fail_on_is_refused_namin
     with pytest.raises(UserError) as refused:
         recipe_checks.check_deepspeed_agrees(json_run(True))
     assert str(refused.value).startswith(f"{json_file}: ") and words in str(refused.value), str(refused.value)
+
+
+# The FSDP version 1 files of TRL, accelerate's templates and alignment-handbook: accelerate would run FSDP1's
+# wrappers and state dicts, which this toolkit does not train with
+FSDP_VERSION_1_FILES = [TRL / "fsdp1.yaml", TEMPLATES / "fsdp.yaml", HANDBOOK / "fsdp.yaml"]
+FSDP_VERSION_1_WORDS = ["an FSDP version 1 file", "`fsdp_version: 2`", "accelerate_configs/fsdp.yaml"]
+
+
+@pytest.mark.parametrize("launcher", ["finetune launch", "accelerate launch"])
+@pytest.mark.parametrize("config_file", FSDP_VERSION_1_FILES, ids=lambda path: str(path.relative_to(CONFIGS)))
+def test_an_fsdp_version_1_file_is_refused_in_one_line_under_both_launchers(config_file, launcher, tmp_path, capfd,
+                                                                            monkeypatch):
+    from finetune.commands.check import training_process_environment
+
+    words = [config_file.name, *FSDP_VERSION_1_WORDS]
+    if launcher == "finetune launch":
+        check_bad_input(("FSDP1", lambda t: TINY, words, finetune_launch_of(lambda t: config_file, [])), tmp_path,
+                        capfd, monkeypatch)
+        return
+    # what accelerate's own launcher code exports to each training process of this file (one process: the parse
+    # would otherwise set up a process group), with its command line
+    environment, _ = training_process_environment(["--config_file", str(config_file), SCRIPT])
+    for name, value in {**environment, "WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(name, value)
+    launched_by_accelerate(monkeypatch, config_file)
+    check_bad_input(("FSDP1", lambda t: TINY, words), tmp_path, capfd, monkeypatch)
+
+
+def test_every_external_config_file_is_tried_by_a_test_of_this_module(monkeypatch, tmp_path):
+    """The README counts the files of tests/data/external/configs as tested: each one is the file of a case above (a
+    case that edits a copy counts its source), so a file added there without a case fails here."""
+    monkeypatch.setattr(sys.modules[__name__], "derived", lambda tmp, source, change: source)
+    tried = {config_file(tmp_path) for _, config_file, _, _ in REFUSED_BEFORE_LAUNCH}
+    tried |= {case[1] for case in CHECKED_IN_TRAINING} | {case[1] for case in CONTRADICTING_THE_RECIPE}
+    tried |= {case[0] for case in DEEPSPEED_JSONS} | set(FSDP_VERSION_1_FILES)
+    shipped = {path for path in CONFIGS.rglob("*") if path.is_file() and path.name != "README.md"}
+    assert not shipped - tried, f"external files no case tries: {sorted(str(p.relative_to(CONFIGS)) for p in shipped - tried)}"
+    readme = (ROOT / "README.md").read_text()
+    assert f"{len(shipped)} such files are tested from `tests/data/external/configs/`" in readme
