@@ -102,3 +102,23 @@ def test_nvme_offload_is_refused_where_the_async_io_op_cannot_load(tmp_path, cap
                                 monkeypatch)
     check_refusal(result, ["ds.json", "`zero_optimization.offload_param.device: nvme`", "async_io"],
                   by_accelerate=False)
+
+
+# transformers' own ways to ask for a strategy or a process group, as a flag or a recipe key
+TRANSFORMERS_STRATEGY = [("fsdp", "full_shard auto_wrap", ["`fsdp` asks transformers for FSDP version 1",
+                                                           "accelerate_configs/fsdp.yaml"]),
+                         ("fsdp_config", '{"fsdp_version": 2}', ["`fsdp_config` configures transformers' own FSDP",
+                                                                 "accelerate_configs/fsdp.yaml"]),
+                         ("ddp_backend", "gloo", ["`ddp_backend` sets the process group's backend", "remove it"])]
+
+
+@pytest.mark.parametrize("given", ["flag", "recipe key"])
+@pytest.mark.parametrize("name, value, words", TRANSFORMERS_STRATEGY, ids=[case[0] for case in TRANSFORMERS_STRATEGY])
+def test_transformers_strategy_arguments_are_refused_for_the_accelerate_config(name, value, words, given, tmp_path,
+                                                                                capfd, monkeypatch):
+    if given == "flag":
+        case = (name, lambda t: [*TINY, f"--{name}", value], ["command line", *words])
+    else:
+        recipe = recipe_with(tmp_path, FULL, f"{name}: '{value}'")
+        case = (name, lambda t: ["--config", str(recipe), "--tiny"], [str(recipe), *words])
+    check_bad_input(case, tmp_path, capfd, monkeypatch)

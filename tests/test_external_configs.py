@@ -241,10 +241,10 @@ def json_run(recipe_bf16: bool, compiled: bool = False):
     training = SimpleNamespace(per_device_train_batch_size=8, gradient_accumulation_steps=2, max_grad_norm=1.0,
                                bf16=recipe_bf16, fp16=False, optim=SimpleNamespace(value="adamw_torch_fused"),
                                lr_scheduler_type=SimpleNamespace(value="cosine"), torch_compile=compiled)
-    from finetune.config.launch_request import read_launch_request
+    from finetune.config.launch_request import read_exported_launch
 
     return SimpleNamespace(training=training, recipe_path=str(ROOT / "recipes" / "llama-3.2-1b" / "full.yaml"),
-                           launch=read_launch_request())
+                           launch=read_exported_launch())
 
 
 ACCELERATE_TEMPLATE_WORDS = [

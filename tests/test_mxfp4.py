@@ -100,14 +100,14 @@ def test_recipe_loading_dequantizes_the_stored_experts_to_the_training_dtype(mxf
 def test_on_a_gpu_mxfp4_is_dequantized_on_the_process_s_gpu_unless_the_strategy_shards(mxfp4_folder, tmp_path,
                                                                                       monkeypatch, strategy_env,
                                                                                       on_the_gpu):
-    from finetune.config.launch_request import read_launch_request
+    from finetune.config.launch_request import read_exported_launch
     from finetune.models import cpu
 
     run = arguments.parse_args(["--config", "recipes/gpt-oss-20b/lora.yaml", "--model_name_or_path", str(mxfp4_folder),
                              "--output_dir", str(tmp_path / "out")])
     for name, value in strategy_env.items():
         monkeypatch.setenv(name, value)
-    run.launch = read_launch_request()  # what the launch's processes read (parsed as one process, without FSDP's shim)
+    run.launch = read_exported_launch()  # what the launch's processes read (parsed as one process, without FSDP's shim)
     monkeypatch.setattr(cpu, "on_cpu", lambda: False)
     kwargs = model.model_init_kwargs(run, str(mxfp4_folder))
     assert kwargs["quantization_config"].dequantize

@@ -53,6 +53,27 @@ NOT_RUN_HERE = {
 }
 
 
+# transformers' training arguments that would pick the strategy or the process group apart from the accelerate config
+# (the one file that decides them here): `fsdp` wraps the model in FSDP version 1 from inside the Trainer, and
+# `ddp_backend` sets up a process group of its own (without a launcher: transformers' own traceback)
+TRANSFORMERS_STRATEGY_ARGUMENTS = {
+    "fsdp": ("asks transformers for FSDP version 1 apart from the accelerate config, which picks the strategy here; "
+             "remove it and launch with --config_file accelerate_configs/fsdp.yaml (FSDP2)"),
+    "fsdp_config": ("configures transformers' own FSDP apart from the accelerate config, which picks the strategy "
+                    "here; remove it and set FSDP's fields in the accelerate config (accelerate_configs/fsdp.yaml)"),
+    "ddp_backend": ("sets the process group's backend, which the launcher picks (NCCL on GPUs, gloo on a CPU); "
+                    "remove it"),
+}
+
+
+def check_transformers_strategy_arguments(flags: set[str], recipe_keys: set[str], recipe_path: str | None) -> None:
+    """A strategy asked for through transformers' own training arguments, on the command line or in the recipe."""
+    for name, why in TRANSFORMERS_STRATEGY_ARGUMENTS.items():
+        if name in flags or name in recipe_keys:
+            source = "command line" if name in flags else recipe_path
+            raise UserError(f"{source}: `{name}` {why}.")
+
+
 @dataclass
 class LaunchRequest:
     """What one launch asks accelerate for: its config file's fields, and the flags of the launcher's command line,

@@ -67,7 +67,7 @@ def problems_before_loading(sft_arguments: list[str], processes: int) -> list[Us
     """What a run of these arguments would refuse before loading: the parse (which stops at its first problem), then
     every check of the recipe, the launch and the output folder, then the model folder and the layers it names. The
     parse sees one process (it sets up the training arguments' device); the checks see the launch's count."""
-    from finetune.config.launch_request import read_launch_request
+    from finetune.config.launch_request import read_exported_launch
     from finetune.run import arguments
 
     try:
@@ -75,7 +75,7 @@ def problems_before_loading(sft_arguments: list[str], processes: int) -> list[Us
     except UserError as problem:
         return [problem]
     with mock.patch.dict(os.environ, {"WORLD_SIZE": str(processes)}):
-        run.launch = read_launch_request()  # as each of the launch's processes reads it
+        run.launch = read_exported_launch()  # as each of the launch's processes reads it
         return _collected_problems(run)
 
 

@@ -125,8 +125,8 @@ def asked_deepspeed_file() -> str | None:
 
 
 @dataclass(frozen=True)
-class LaunchRequest:
-    """What the launch asked for, read once (`read_launch_request`, when the run's arguments are parsed) and carried
+class ExportedLaunch:
+    """What the launch asked for, read once (`read_exported_launch`, when the run's arguments are parsed) and carried
     on the run's RunConfig: every check and the run's setup check read it there."""
 
     strategy: str  # fsdp, zero1-3, ddp or single
@@ -136,7 +136,7 @@ class LaunchRequest:
     world_size: int
 
 
-def read_launch_request() -> LaunchRequest:
+def read_exported_launch() -> ExportedLaunch:
     """The launch request of this process, from accelerate's exported variables and its launcher's arguments. A
     DeepSpeed JSON that cannot be used is the one-sentence UserError of `read_deepspeed_config`."""
     deepspeed_file = asked_deepspeed_file()
@@ -151,9 +151,9 @@ def read_launch_request() -> LaunchRequest:
         strategy = f"zero{stage}"
     else:
         strategy = "ddp" if world_size > 1 else "single"
-    return LaunchRequest(strategy, accelerate_config_file(), deepspeed_file, deepspeed_config, world_size)
+    return ExportedLaunch(strategy, accelerate_config_file(), deepspeed_file, deepspeed_config, world_size)
 
 
 def requested_strategy() -> str:
     """What the accelerate config file asked for (fsdp, zero1-3, ddp or single), for code that has no RunConfig."""
-    return read_launch_request().strategy
+    return read_exported_launch().strategy

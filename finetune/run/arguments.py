@@ -22,9 +22,10 @@ from typing import Literal
 from trl import ModelConfig, ScriptArguments, SFTConfig, TrlParser
 
 from finetune import patches
+from finetune.checks import launch as accelerate_checks
 from finetune.config import numbers
 from finetune.config.files import RENAMED_KEYS, read_foreign_keys, read_recipe, refuse_unknown_keys, shipped
-from finetune.config.launch_request import FSDP_V1_REFUSAL, LaunchRequest, read_deepspeed_config, read_launch_request
+from finetune.config.launch_request import FSDP_V1_REFUSAL, ExportedLaunch, read_deepspeed_config, read_exported_launch
 from finetune.config.schema import CHECKPOINTING_NAMES
 from finetune.errors import UserError, one_sentence, say
 from finetune.json_files import write_atomically
@@ -183,7 +184,7 @@ class RunConfig:
     # this launch resumes from
     recorded_settings: dict = field(default_factory=dict)
     resumes_from: Path | None = None
-    launch: LaunchRequest = field(default_factory=read_launch_request)  # what the launcher asked for, read once
+    launch: ExportedLaunch = field(default_factory=read_exported_launch)  # what the launcher asked for, read once
 
 
 def _flag_error(message: str):
@@ -293,7 +294,8 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
         raise UserError(f"command line: unknown flag {unknown[0]}{renamed}; check its spelling with "
                         f"`scripts/sft.py --help`.")
     # read once here, before TrainingArguments reads a DeepSpeed JSON and fails in its own words, and carried
-    launch = read_launch_request()
+    launch = read_exported_launch()
+    accelerate_checks.check_transformers_strategy_arguments(_flags_given(argv), set(recipe), recipe_path)
     if launch.strategy == "fsdp" and os.environ.get("FSDP_VERSION", "1") != "2":
         raise UserError(f"{launch.config_file}: {FSDP_V1_REFUSAL}")  # before the CPU shim builds FSDP1's plugin
     values, _ = parser.parse_known_args(args=argv)  # as given, before the dataclasses' __post_init__ reads them

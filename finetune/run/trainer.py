@@ -13,7 +13,7 @@ from trl import SFTTrainer
 from finetune import json_files, outcome, patches, run_folder
 from finetune.checks import resume
 from finetune.checks.relaunch import run_identity, training_length
-from finetune.config.launch_request import LaunchRequest
+from finetune.config.launch_request import ExportedLaunch
 from finetune.errors import UserError, say
 from finetune.models import compilation, expert_lora, fp8
 from finetune.run import evaluation, out_of_memory, saving, speed, tracking
@@ -120,7 +120,7 @@ def setup_problem(setup: dict, requested: str, launched_world_size: int) -> str 
 class SetupCheck(TrainerCallback):
     """Logs the setup once the model is wrapped, and stops the run before step 1 if it is not what was asked for."""
 
-    def __init__(self, trainer: SFTTrainer, launch: LaunchRequest):
+    def __init__(self, trainer: SFTTrainer, launch: ExportedLaunch):
         self.trainer = trainer
         self.launch = launch
         self.setup: dict | None = None
