@@ -156,17 +156,23 @@ def family_of(model: str, revision: str | None = None) -> Family:
     """The family of one of its hub ids or stored architectures, of a LoRA adapter's base model, of the model type
     a config.json names (a local folder's, else the hub's: read from the cache offline), or, with no config.json to
     read, of a word of the hub id; a model of no family is refused in one sentence that lists the families."""
+    return family_if_told(model, revision) or family_of_type(None, model)
+
+
+def family_if_told(model: str, revision: str | None = None) -> Family | None:
+    """`family_of`, but None where neither a config.json nor the hub id's words tell the model type (offline and not
+    in the cache); a model type that is read and of no family is refused all the same."""
     listed = next((family for family in FAMILIES.values()
                    if model in family.hub_ids or model in family.hub_ids.values()), None)
     if listed is not None:
         return listed
     base = read_object(Path(model).expanduser() / "adapter_config.json").get("base_model_name_or_path")
     if isinstance(base, str) and base:
-        return family_of(base)
+        return family_if_told(base)
     model_type = _model_type(model, revision)
-    if model_type is None:  # offline and not in the cache: the hub id's words say the family, if any
-        named = (family for family in FAMILIES.values() if any(word in model.lower() for word in family.name_words))
-        return next(named, None) or family_of_type(None, model)
+    if model_type is None:
+        return next((family for family in FAMILIES.values()
+                     if any(word in model.lower() for word in family.name_words)), None)
     return family_of_type(model_type, model)
 
 

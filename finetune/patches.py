@@ -26,6 +26,16 @@ says what to revisit and which test fails first.
   trl 1.16 `OffloadActivations` (saved-tensor hooks around `training_step`, forward and backward).
   guarded by: test_train.py::test_under_checkpointing_a_layer_with_a_graph_break_is_still_compiled_once_for_all_layers
   and test_train.py::test_offloading_compiled_checkpoints_moves_only_layer_inputs_and_keeps_the_gradients.
+- `activation_checkpointing_found`
+  does: reads how the prepared model's layers are checkpointed: torch's `CheckpointWrapper` around them (imported from
+  the private `torch.distributed.algorithms._checkpoint.checkpoint_wrapper`, where accelerate's
+  `fsdp_activation_checkpointing` takes it from), else transformers' `gradient_checkpointing` flag on each layer and
+  the `_gradient_checkpointing_func` that `compile_inside_checkpoints` sets.
+  why: the setup line shows the checkpointing in place, not the one asked for, and the setup check stops a run whose
+  accelerate config asked for a checkpointing that wrapped no layer; torch exports the wrapper from no public module.
+  targets: torch 2.11 and 2.13, accelerate 1.15-1.16 (`fsdp2_apply_ac`), transformers 5.17-5.25.
+  guarded by: tests/test_setup_line.py (accelerate's own `fsdp2_apply_ac` on the tiny Llama, transformers' checkpointing
+  switched on by the Trainer, and compile_inside_checkpoints).
 - `validate_launch_command`
   does: calls accelerate's `_validate_launch_command`, which completes the launcher's arguments from the config file.
   why: `finetune check` builds the variables a training process would see, with accelerate's own code.
@@ -209,9 +219,28 @@ def compile_inside_checkpoints(model, compiled_call, offloading: bool = False) -
     call = partial(_call_keeping_saved_tensors, compiled_call) if offloading else compiled_call
     for module in model.modules():
         checkpoint = getattr(module, "_gradient_checkpointing_func", None)
-        compiled_inside = getattr(checkpoint, "func", None) is _checkpoint_compiled
-        if isinstance(module, GradientCheckpointingLayer) and not compiled_inside:
+        if isinstance(module, GradientCheckpointingLayer) and not _compiled_inside_checkpoint(module):
             module._gradient_checkpointing_func = partial(_checkpoint_compiled, checkpoint, call)
+
+
+def _compiled_inside_checkpoint(layer) -> bool:
+    return getattr(getattr(layer, "_gradient_checkpointing_func", None), "func", None) is _checkpoint_compiled
+
+
+def activation_checkpointing_found(model) -> str:
+    """How the model's layers are checkpointed, as found on its modules: "fsdp" (torch's CheckpointWrapper around
+    them: accelerate's `fsdp_activation_checkpointing`), "transformers" (each layer checkpoints itself: the recipe's
+    `gradient_checkpointing`), "transformers, compiled inside" (and runs its compiled self inside the checkpoint:
+    compile_inside_checkpoints), or "none"."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    modules = list(model.modules())
+    if any(isinstance(module, CheckpointWrapper) for module in modules):
+        return "fsdp"
+    layers = [module for module in modules if getattr(module, "gradient_checkpointing", False) is True]
+    if not layers:
+        return "none"
+    return "transformers, compiled inside" if any(map(_compiled_inside_checkpoint, layers)) else "transformers"
 
 
 def exit_without_teardown() -> None:

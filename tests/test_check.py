@@ -4,6 +4,7 @@ import pytest
 
 from finetune import cli
 from tests.helpers import ROOT
+from tests.test_families import LISTED, qwen_weights_folder
 
 RECIPE = ROOT / "recipes" / "llama-3.2-1b" / "lora.yaml"
 
@@ -35,6 +36,23 @@ def test_a_run_stops_at_the_first_of_the_same_problems(tmp_path):
     recipe.write_text(RECIPE.read_text() + "lora_target_parameters: [mlp.experts.down_proj]\nweight_decay: -1\n")
     with pytest.raises(UserError, match="`lora_target_parameters` adapts mixture-of-experts weights"):
         configure(["--config", str(recipe), "--tiny", "--output_dir", str(tmp_path / "out")])
+
+
+@pytest.mark.parametrize("recipe", ["full.yaml", "lora.yaml"])
+def test_a_local_model_of_no_family_is_a_problem_the_check_finds(recipe, tmp_path, capsys):
+    folder = qwen_weights_folder(tmp_path)
+    code, errors, _ = checked(capsys, "--config", str(RECIPE.with_name(recipe)), "--model_name_or_path", folder,
+                              "--dataset_name", str(ROOT / "data" / "sample"), "--output_dir", str(tmp_path / "out"))
+    assert code == 2
+    assert errors == [(f"error: {folder}: `model_type: qwen2` (its config.json) is {LISTED}; pass a model of one of "
+                       f"them as model_name_or_path, or add its family to finetune/families.py.")]
+
+
+def test_tiny_of_a_hub_model_whose_type_cannot_be_read_passes(tmp_path, capsys):
+    code, errors, out = checked(capsys, "--config", str(RECIPE), "--tiny", "--model_name_or_path", "Qwen/Qwen2-0.5B",
+                                "--output_dir", str(tmp_path / "out"))
+    assert (code, errors) == (0, [])
+    assert "the tiny llama model stands in for it" in out
 
 
 def test_a_recipe_without_problems_passes_and_says_what_is_left_to_the_run(tmp_path, capsys):

@@ -3,17 +3,21 @@ stored architecture or its config.json's model_type says, and a model of none is
 the families, before anything loads."""
 
 import json
+import re
 import shutil
 
 import pytest
 
 from finetune import families
+from finetune.checks import model_folder
+from finetune.checks import recipe as recipe_checks
 from finetune.errors import UserError
 from finetune.models import tiny
 from finetune.planner import architecture as planner_architecture
 from finetune.run import model
+from finetune.run.arguments import parse_args
 from tests.helpers import ROOT, write
-from tests.test_bad_inputs import FULL, check_bad_input
+from tests.test_bad_inputs import FULL, LORA, check_bad_input
 
 LISTED = "of no model family finetune knows (llama (model_type llama, mistral), gpt-oss (model_type gpt_oss))"
 QWEN2 = {"model_type": "qwen2", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -62,6 +66,10 @@ def test_a_model_of_no_family_is_refused_in_one_sentence_that_lists_the_families
     assert LISTED in str(refused.value)
     with pytest.raises(UserError, match="model_type: qwen2"):  # the planner too: it knows no qwen2 layer layout
         planner_architecture.architecture_of(qwen)
+    # SmolLM3 builds on Llama's layers but leaves out rotary embeddings in every fourth, on Qwen2's model: no Llama
+    smollm3 = config_folder(tmp_path / "smollm3", {"model_type": "smollm3"})
+    with pytest.raises(UserError, match=f"`model_type: smollm3` \\(its config.json\\) is {re.escape(LISTED)}"):
+        families.family_of(smollm3)
 
 
 @pytest.fixture
@@ -87,9 +95,6 @@ REFUSALS = [
     ("--tiny of a local folder of no family",
      lambda t: ["--config", str(FULL), "--tiny", "--model_name_or_path", config_folder(t / "qwen", QWEN2)],
      ["qwen: `model_type: qwen2` (its config.json) is", LISTED, "model_name_or_path", "finetune/families.py"]),
-    ("--tiny of a hub id of no family, offline", lambda t: ["--config", str(FULL), "--tiny", "--model_name_or_path",
-                                                            "Qwen/Qwen2.5-0.5B"],
-     ["Qwen/Qwen2.5-0.5B: neither a config.json", "nor its name tells its model type", LISTED]),
 ]
 
 
@@ -99,12 +104,39 @@ def test_training_a_model_of_no_family_is_refused_before_anything_loads(case, tm
     check_bad_input(case, tmp_path, capfd, monkeypatch)
 
 
-def test_a_mixture_of_experts_kernel_for_a_model_of_no_family_is_refused_before_anything_loads(tmp_path, capfd,
-                                                                                               monkeypatch):
+@pytest.mark.parametrize("recipe", [FULL, LORA], ids=["full", "lora"])
+@pytest.mark.parametrize("settings", [[], ["--experts_implementation", "eager"]], ids=["plain", "experts kernel"])
+def test_training_a_local_model_of_no_family_is_refused_before_anything_loads(recipe, settings, tmp_path, capfd,
+                                                                              monkeypatch):
+    """Not only where the run needs the family (--tiny, experts_implementation): a whole model folder that every
+    check of the folder lets through."""
     folder = qwen_weights_folder(tmp_path)  # built before loading is forbidden
     monkeypatch.setattr(model, "load_tokenizer", lambda *_, **__: pytest.fail("a tokenizer loaded before the refusal"))
-    case = ("experts_implementation on a model of no family",
-            lambda t: ["--config", str(FULL), "--model_name_or_path", folder, "--experts_implementation", "eager",
+    case = ("a local model of no family",
+            lambda t: ["--config", str(recipe), "--model_name_or_path", folder, *settings,
                        "--dataset_name", str(ROOT / "data" / "sample")],
-            ["qwen-weights: `model_type: qwen2` (its config.json) is", LISTED])
+            ["qwen-weights: `model_type: qwen2` (its config.json) is", LISTED, "finetune/families.py"])
     check_bad_input(case, tmp_path, capfd, monkeypatch)
+
+
+def test_a_model_whose_config_json_says_llama_is_a_llama_whatever_its_name(tmp_path):
+    folder = tmp_path / "SmolLM2-135M"
+    shutil.copytree(tiny.tiny_model_folder("llama"), folder)
+    values = json.loads((folder / "config.json").read_text())
+    config_folder(folder, {**values, "_name_or_path": "HuggingFaceTB/SmolLM2-135M"})
+    run = parse_args(["--config", str(LORA), "--model_name_or_path", str(folder), "--dataset_name",
+                      str(ROOT / "data" / "sample"), "--output_dir", str(tmp_path / "out")])
+    recipe_checks.check(run)
+    assert model_folder.resolve_model_path(run) == str(folder)
+    assert model_folder.family_of_run(run).name == "llama"
+
+
+@pytest.mark.parametrize("hub_id", ["Qwen/Qwen2-0.5B", "HuggingFaceTB/SmolLM2-1.7B-Instruct"])
+def test_tiny_stands_the_tiny_llama_in_for_a_hub_model_whose_type_cannot_be_read(hub_id, tmp_path, capsys):
+    """Offline (tests/conftest.py) and not in the hub cache, the hub model's config.json cannot be read: --tiny, which
+    replaces the model whole, trains the default run's tiny Llama instead of refusing, and says so."""
+    run = parse_args(["--config", str(FULL), "--tiny", "--model_name_or_path", hub_id,
+                      "--output_dir", str(tmp_path / "out")])
+    recipe_checks.check(run)
+    assert model_folder.resolve_model_path(run) == str(tiny.tiny_model_folder("llama"))
+    assert f"nor the name of {hub_id} tells its model type, so the tiny llama model stands in" in capsys.readouterr().out

@@ -11,28 +11,47 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from finetune import families, patches, run_folder
 from finetune.config.launch_request import accelerate_config_file
-from finetune.errors import UserError
+from finetune.errors import UserError, say
 from finetune.models import tiny
 from finetune.run_folder import RUN_RECORD
 
 
 def resolve_model_path(run) -> str:
-    """The folder or hub id to load, checked (`check_model`): the recipe's model, or its tiny stand-in under --tiny
-    (its width checked first), and against an FSDP launch's layer classes to wrap (`check_fsdp_wrap`). A model of no
-    family (finetune/families.py) is refused here, before anything loads, where the run needs its family: for the
-    tiny stand-in, and for `experts_implementation` (model_init_kwargs)."""
+    """The folder or hub id to load, checked (`check_model`, then its family: `family_of_run`): the recipe's model, or
+    its tiny stand-in under --tiny (its width checked first), and against an FSDP launch's layer classes to wrap
+    (`check_fsdp_wrap`)."""
     name, revision = run.model.model_name_or_path, run.model.model_revision
     if run.finetune.tiny:
-        family = families.family_of(name, revision).name
+        family = family_of_run(run).name
         tiny.check_width(family, run.finetune.tiny_width, run.recipe_path or "command line")
         path = str(tiny.tiny_model_folder(family, run.finetune.tiny_width))
     else:
-        check_model(name, "--model_name_or_path", revision=revision)
-        if run.finetune.experts_implementation:
-            families.family_of(name, revision)  # refused now rather than once the tokenizer and the data have loaded
+        check_model(name, "--model_name_or_path", revision=revision)  # first: it names a missing or damaged config.json
+        family_of_run(run)
         path = name
     check_fsdp_wrap(path, name)
     return path
+
+
+# --tiny's stand-in for a model whose type cannot be read: the default run's tiny model (run/arguments.py DEFAULT_ARGS)
+UNREAD_TINY_FAMILY = "llama"
+
+
+def family_of_run(run) -> families.Family:
+    """The family of the run's model (finetune/families.py), by its config.json's model type whatever its name; a
+    model of none is refused in one sentence that lists the families, before anything loads. --tiny replaces the
+    model whole with a tiny random one of its family, so there a model whose type cannot be read (a hub id offline
+    and not in the hub cache, whose name tells no family) gets the tiny Llama, said in one line. A config.json that
+    names a type of no family is refused all the same: the model the tiny one would stand in for cannot train."""
+    name, revision = run.model.model_name_or_path, run.model.model_revision
+    if not run.finetune.tiny:
+        return families.family_of(name, revision)
+    family = families.family_if_told(name, revision)
+    if family is None:
+        family = families.FAMILIES[UNREAD_TINY_FAMILY]
+        say(f"--tiny: neither a config.json (in a folder or the hub cache) nor the name of {name} tells its model "
+            f"type, so the tiny {family.name} model stands in for it")
+    return family
 
 
 ADAPTER_CONFIG = "adapter_config.json"

@@ -8,8 +8,8 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from finetune import families
 from finetune.checks import launch as accelerate_checks
+from finetune.checks import model_folder
 from finetune.checks.relaunch import check_output_dir, check_resume_checkpoint
 from finetune.config import numbers
 from finetune.config.launch_request import read_deepspeed_config
@@ -71,7 +71,7 @@ def check_quantization(run, source: str) -> None:
 
 def check_expert_targets(run, source: str) -> None:
     model = run.model
-    if model.lora_target_parameters and not families.family_of(model.model_name_or_path, model.model_revision).experts:
+    if model.lora_target_parameters and not model_folder.family_of_run(run).experts:
         raise UserError(
             f"{source}: `lora_target_parameters` adapts mixture-of-experts weights, which "
             f"{model.model_name_or_path} does not have; remove it or use lora_target_modules."

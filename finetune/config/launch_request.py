@@ -110,9 +110,13 @@ FSDP_V1_REFUSAL = (  # under both launchers
 
 
 # What `accelerate launch` asked for is read from the variables it exports to the training processes, as accelerate's
-# own state reads them (AcceleratorState), in these three functions only.
+# own state and FSDP plugin read them (AcceleratorState, FullyShardedDataParallelPlugin), in these functions only.
 def fsdp_asked_for() -> bool:
     return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+
+
+def fsdp_activation_checkpointing_asked_for() -> bool:
+    return fsdp_asked_for() and os.environ.get("FSDP_ACTIVATION_CHECKPOINTING", "false").lower() == "true"
 
 
 def deepspeed_asked_for() -> bool:
@@ -134,6 +138,7 @@ class ExportedLaunch:
     deepspeed_file: str | None  # the DeepSpeed JSON the launch passes on
     deepspeed_config: dict | None  # that JSON, read once
     world_size: int
+    fsdp_activation_checkpointing: bool  # the file asks accelerate to wrap each layer in a checkpoint
 
 
 def read_exported_launch() -> ExportedLaunch:
@@ -151,7 +156,8 @@ def read_exported_launch() -> ExportedLaunch:
         strategy = f"zero{stage}"
     else:
         strategy = "ddp" if world_size > 1 else "single"
-    return ExportedLaunch(strategy, accelerate_config_file(), deepspeed_file, deepspeed_config, world_size)
+    return ExportedLaunch(strategy, accelerate_config_file(), deepspeed_file, deepspeed_config, world_size,
+                          fsdp_activation_checkpointing_asked_for())
 
 
 def requested_strategy() -> str:

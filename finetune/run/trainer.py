@@ -29,12 +29,13 @@ DATA_RECORD = "finetune_data.json"  # how many rows came from each dataset, besi
 
 
 class SetupMismatch(UserError):
-    """The strategy in place differs from what the accelerate config file asked for."""
+    """The strategy or the activation checkpointing in place differs from what the accelerate config file asked for."""
 
 
 def describe_setup(trainer: SFTTrainer) -> dict:
     """What actually runs: world size, distributed type, the wrapper around the model, the batch sizes, the precision,
-    the optimizer and learning-rate schedule in place (DeepSpeed's own under offload), and what is offloaded."""
+    the optimizer and learning-rate schedule in place (DeepSpeed's own under offload), what is offloaded, and how the
+    layers are checkpointed (patches.activation_checkpointing_found)."""
     accelerator = trainer.accelerator
     wrapped = trainer.model_wrapped
     setup = {
@@ -49,6 +50,7 @@ def describe_setup(trainer: SFTTrainer) -> dict:
         "optimizer": _optimizer_name(_innermost(trainer.optimizer, "optimizer")),
         "lr_schedule": _schedule_name(_innermost(trainer.lr_scheduler, "scheduler"), trainer.args),
         "offload": _offloaded(accelerator),
+        "activation_checkpointing": patches.activation_checkpointing_found(wrapped),
     }
     if hasattr(wrapped, "zero_optimization_stage"):
         setup["zero_stage"] = wrapped.zero_optimization_stage()
@@ -117,6 +119,16 @@ def setup_problem(setup: dict, requested: str, launched_world_size: int) -> str 
     return None
 
 
+def checkpointing_problem(setup: dict, launch: ExportedLaunch) -> str | None:
+    """Why the accelerate config's activation checkpointing is not in place, or None when it is (or was not asked)."""
+    if not launch.fsdp_activation_checkpointing or setup["activation_checkpointing"] == "fsdp":
+        return None
+    return (f"`fsdp_activation_checkpointing: true` checkpointed no layer of the model (activation checkpointing found: "
+            f"{setup['activation_checkpointing']}); make `fsdp_auto_wrap_policy` wrap the decoder layers "
+            f"(TRANSFORMER_BASED_WRAP, as accelerate_configs/fsdp.yaml does), or set it to false and checkpoint with "
+            f"the recipe's `gradient_checkpointing: true`")
+
+
 class SetupCheck(TrainerCallback):
     """Logs the setup once the model is wrapped, and stops the run before step 1 if it is not what was asked for."""
 
@@ -135,6 +147,9 @@ class SetupCheck(TrainerCallback):
                 f"{self.launch.config_file}: {problem}; fix distributed_type/num_processes in that file or launch with the "
                 f"config that matches what you want."
             )
+        problem = checkpointing_problem(self.setup, self.launch)
+        if problem:
+            raise SetupMismatch(f"{self.launch.config_file}: {problem}.")
 
 
 class WarmupNotice(TrainerCallback):
