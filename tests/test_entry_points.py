@@ -56,7 +56,15 @@ def test_transformers_deepspeed_argument_is_checked_as_the_accelerate_config_is(
         launched.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(ds))
         result = run_sft_in_process([*TINY, "--output_dir", str(tmp_path / "out")], capfd, monkeypatch)
     check_refusal(result, WORDS, by_accelerate=False)
-    assert set(refusals) == {the_refusal(result.stderr)}
+    refusals.append(the_refusal(result.stderr))
+    # finetune.train(...), a notebook's way in: the same sentence, raised
+    import finetune
+    from finetune.errors import UserError
+
+    with pytest.raises(UserError) as raised:
+        finetune.train(FULL, tiny=True, deepspeed=str(ds), output_dir=str(tmp_path / "out"))
+    refusals.append(str(raised.value).split(": ", 1)[1])
+    assert len(set(refusals)) == 1, refusals
     assert not (tmp_path / "out").exists()
 
 
