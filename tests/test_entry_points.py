@@ -1,7 +1,8 @@
 """One gate for every way in (issue 37, item 1): whatever starts the run and however the DeepSpeed JSON arrives (an
 accelerate config under any of accelerate's three launchers, transformers' own `--deepspeed` flag, a recipe's
-`deepspeed:` key as a path or as the JSON itself), the same check refuses the same contradiction in the same words,
-before loading."""
+`deepspeed:` key as a path or as the JSON itself, `finetune.train(deepspeed=...)`), the same check refuses the same
+contradiction in the same words, before loading; transformers' own strategy arguments are refused for the accelerate
+config."""
 
 import json
 import re
