@@ -12,6 +12,7 @@ from pathlib import Path
 
 import yaml
 
+from finetune.config import llama_factory
 from finetune.errors import UserError, say
 
 # The files the project ships beside the library (recipes/, accelerate_configs/, ds_configs/, data/sample), reached
@@ -199,17 +200,20 @@ FOREIGN_KEY_HINTS = {
     "logging_dir": "transformers 5 reads TENSORBOARD_LOGGING_DIR: set it under `env:`",
     "datasets": "TRL's mixture list: move it under `dataset_mixture:`",
     "streaming": "finetune loads datasets whole: remove it",
+    **llama_factory.HINTS,
 }
 
 
 def read_foreign_keys(recipe: dict, recipe_path: str, stream=None) -> dict:
     """alignment-handbook's and TRL's recipe keys that mean a setting of finetune's under another shape, in that
     shape; and those that transformers 5 and TRL 1.x no longer read, left out where that changes nothing. One line
-    says what was read how. The other keys of those recipes are TRL's own (RENAMED_KEYS: read_recipe). An axolotl
-    recipe is read in finetune's names first (finetune/config/axolotl.py)."""
+    says what was read how. The other keys of those recipes are TRL's own (RENAMED_KEYS: read_recipe). An axolotl or
+    LLaMA-Factory recipe is read in finetune's names first (finetune/config/axolotl.py, llama_factory.py)."""
     from finetune.config.axolotl import read_axolotl_recipe
 
     recipe, notes = read_axolotl_recipe(recipe, recipe_path)
+    recipe, llama_factory_notes = llama_factory.read_llama_factory_recipe(recipe)
+    notes += llama_factory_notes
     for key, why in DROPPED_KEYS.items():
         if key in recipe:
             del recipe[key]
