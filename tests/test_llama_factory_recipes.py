@@ -112,6 +112,13 @@ def test_lora_target_is_read_as_the_modules_it_names(lora_target, modules):
     assert values["lora_target_modules"] == modules
 
 
+def test_a_lora_alpha_the_recipe_sets_stands_where_llama_factory_would_take_twice_the_rank(tmp_path):
+    recipe = write(tmp_path / "alpha.yaml", f"finetuning_type: lora\nlora_rank: 4\nlora_alpha: 32\n"
+                                            f"dataset_name: {SAMPLE_ROWS}\n")
+    run = arguments.parse_args(["--config", str(recipe), "--output_dir", str(tmp_path / "out")])
+    assert (run.model.use_peft, run.model.lora_r, run.model.lora_alpha) == (True, 4, 32)
+
+
 def test_a_llama_factory_recipe_naming_a_local_file_trains_it_and_its_own_defaults_stand(tmp_path, capsys):
     recipe = write(tmp_path / "local.yaml", f"model_name_or_path: meta-llama/Llama-3.2-1B-Instruct\nstage: sft\n"
                                             f"dataset: {SAMPLE_ROWS}\ntemplate: llama3\n")
