@@ -2,8 +2,10 @@
 mix in chosen shares with a per-source count, and a mixed or unknown file is named with its row and columns."""
 
 import json
+import re
 
 import pytest
+import yaml
 from trl import ScriptArguments, SFTConfig
 
 from finetune.data.load import load_datasets
@@ -69,6 +71,20 @@ def test_mixed_unknown_or_misnamed_rows_are_one_sentence_naming_file_row_and_col
     with pytest.raises(UserError, match=named) as error:
         load(path, columns=columns)
     assert str(error.value).startswith(path)
+
+
+PAIR = {"question": "2+2?", "response_chosen": "4", "response_rejected": "5"}
+
+
+@pytest.mark.parametrize("columns", [list(PAIR), ["question", "response_rejected", "response_chosen"]])
+def test_the_mapping_a_refusal_suggests_never_trains_a_rejected_answer_and_written_as_told_trains_the_chosen(
+        tmp_path, columns):
+    path = write_jsonl(tmp_path / "pairs.jsonl", [{column: PAIR[column] for column in columns}])
+    with pytest.raises(UserError) as refused:
+        load(path)
+    suggested = yaml.safe_load(re.search(r"e\.g\. columns: (\{[^}]*\})", str(refused.value)).group(1))
+    train, _ = load(path, columns=suggested)
+    assert train.to_list() == [{"prompt": "2+2?", "completion": "4"}]
 
 
 def test_three_sources_mix_in_their_fractions_with_rows_per_source_recorded_and_a_mixed_test_split(tmp_path):

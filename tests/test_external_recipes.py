@@ -4,11 +4,15 @@ one sentence that lists every key to fix; `--tiny` swaps in the bundled sample f
 it replaced."""
 
 import json
+import re
 
 import pytest
 import yaml
 
 from finetune.checks import recipe as recipe_checks
+from finetune.config.files import refuse_unknown_keys
+from finetune.config.schema import run_fields
+from finetune.errors import UserError
 from finetune.models import cpu
 from finetune.run import arguments as run_arguments
 from tests.helpers import ROOT, write
@@ -191,6 +195,48 @@ def test_an_external_recipe_that_cannot_run_is_refused_in_one_sentence(case, tmp
                                                                        installed_integrations):
     installed_integrations([])
     check_bad_input(case, tmp_path, capfd, monkeypatch)
+
+
+def offered(key: str, known: set[str]) -> str | None:
+    """The key the refusal of `key` offers in its place, if any."""
+    with pytest.raises(UserError) as refused:
+        refuse_unknown_keys({key: 1}, known, "recipe.yaml")
+    found = re.search(r"did you mean `(\w+)`\?", str(refused.value))
+    return found and found.group(1)
+
+
+def slipped(key: str) -> str:
+    """`key` with one letter of its longest word left out, neither its first letter nor a digit: a typing slip."""
+    words = key.split("_")
+    longest = max(range(len(words)), key=lambda index: len(words[index]))
+    word = words[longest]
+    at = max(index for index, character in enumerate(word) if character.isalpha() and index > 0)
+    words[longest] = word[:at] + word[at + 1:]
+    return "_".join(words)
+
+
+@pytest.mark.parametrize("typed, meant", [
+    ("lerning_rate", "learning_rate"), ("lora_rr", "lora_r"), ("max_lenght", "max_length"),
+    ("num_train_epoch", "num_train_epochs"), ("max-length", "max_length"), ("Learning_Rate", "learning_rate"),
+    ("per_device_train_batchsize", "per_device_train_batch_size"),
+    # names of other tools and other settings, each once offered a key of a different meaning by nearness of letters
+    ("lora_rank", None),  # LLaMA-Factory's rank: not `local_rank`, the process's rank
+    ("template", None),  # LLaMA-Factory's template name: not `chat_template`, Jinja text
+    ("use_lora", None),  # not `use_rslora`
+    ("load_in_2bit", None),  # not `load_in_8bit`
+    ("lora_a", None),  # not `lora_r`
+])
+def test_a_close_name_is_offered_only_as_another_spelling_of_the_same_words(typed, meant):
+    assert offered(typed, run_fields()) == meant
+
+
+def test_no_key_of_the_run_is_offered_for_another_and_each_is_offered_for_a_slip_of_its_own():
+    """Over every key a recipe may set: were one of them unknown (a recipe written for another version), no other key
+    is offered in its place, as `bf16` once was for `fp16` and `save_strategy` for `eval_strategy`; and one letter
+    dropped from any of them still offers it."""
+    known = run_fields()
+    assert {key: offered(key, known - {key}) for key in known if offered(key, known - {key})} == {}
+    assert {key: offered(slipped(key), known) for key in known if offered(slipped(key), known) != key} == {}
 
 
 def test_push_to_hub_without_a_token_is_refused_before_loading(tmp_path, capfd, monkeypatch, installed_integrations):

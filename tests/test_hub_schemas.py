@@ -1,7 +1,8 @@
 """Datasets as the hub serves them (tests/data/external/datasets/, rows written in each dataset's published schema)
-train the conversation they hold or are refused naming their columns and the mapping to write; alignment-handbook's
-`dataset_mixture` reads as the handbook writes it; rows whose answer truncation cuts away are counted before any model
-loads; and the columns TRL sees do not depend on the hash seed. No test here loads a model."""
+train the conversation they hold (preference rows: their chosen side) or are refused naming their columns and the
+mapping to write; alignment-handbook's `dataset_mixture` reads as the handbook writes it; rows whose answer truncation
+cuts away are counted before any model loads; and the columns TRL sees do not depend on the hash seed. No test here
+loads a model."""
 
 import json
 import os
@@ -85,6 +86,15 @@ HUB_ROWS = [
                   "cracked open.\n\nTL;DR:", "completion": " Heavy rain split my tomatoes."}),
     ("trl-internal-testing_zen_conversational_prompt_completion.jsonl", "train", 3, 0, {
         "prompt": [user("What is better than ugly?")], "completion": [assistant("Beautiful.")]}),
+    # preference rows train their chosen side, as alignment-handbook's SFT recipes do
+    ("trl-lib_ultrafeedback_binarized.jsonl", "train", 3, 1, {"messages": [
+        user("What is 7 times 6?"), assistant("7 times 6 is 42.")]}),
+    ("trl-internal-testing_zen_standard_preference.jsonl", "train", 3, 0, {
+        "prompt": "Beautiful is better than", "completion": " ugly."}),
+    ("trl-internal-testing_zen_conversational_preference.jsonl", "train", 3, 2, {
+        "prompt": [user("What is better than complex?")], "completion": [assistant("Simple.")]}),
+    ("Anthropic_hh-rlhf.jsonl", "train", 3, 1, {
+        "text": "\n\nHuman: What is the capital of Italy?\n\nAssistant: Rome."}),
 ]
 
 
@@ -94,6 +104,49 @@ def test_a_hub_dataset_trains_the_conversation_it_holds(name, split, count, inde
     assert len(train) == count
     assert train.column_names == list(expected)
     assert train[index] == expected
+
+
+PREFERENCE_DATASETS = ["trl-lib_ultrafeedback_binarized.jsonl", "trl-internal-testing_zen_standard_preference.jsonl",
+                       "trl-internal-testing_zen_conversational_preference.jsonl", "Anthropic_hh-rlhf.jsonl"]
+
+
+def strings(value) -> list[str]:
+    """Every text a row holds, however nested."""
+    if isinstance(value, str):
+        return [value]
+    values = value.values() if isinstance(value, dict) else value if isinstance(value, list) else []
+    return [text for item in values for text in strings(item)]
+
+
+def answer(side) -> str:
+    """A preference row's answer on one side: its last turn's content, or the text."""
+    return side[-1]["content"] if isinstance(side, list) else side
+
+
+@pytest.mark.parametrize("name", PREFERENCE_DATASETS)
+def test_preference_rows_train_every_chosen_answer_and_no_rejected_one_and_say_so(name, capsys):
+    path = DATASETS / name
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    train, _ = load(path)
+    trained = strings(train.to_list())
+    assert all(any(answer(row["chosen"]) in text for text in trained) for row in rows)
+    assert not any(answer(row["rejected"]) in text for row in rows for text in trained)
+    said = [line for line in capsys.readouterr().out.splitlines() if "preference rows" in line]
+    assert len(said) == 1 and said[0].startswith(f"[finetune] {path} [train]: preference rows (`chosen` and "
+                                                 f"`rejected`) found; training on ")
+    assert "`rejected` dropped" in said[0]
+
+
+def test_preference_rows_mapped_as_their_refusal_says_train_each_chosen_answer_after_its_question():
+    """Intel/orca_dpo_pairs holds its prompt as `question`: the refusal names the mapping, which, written as told,
+    trains the chosen answers."""
+    path = DATASETS / "Intel_orca_dpo_pairs.jsonl"
+    with pytest.raises(UserError) as refused:
+        load(path)
+    columns = yaml.safe_load(re.search(r"e\.g\. columns: (\{[^}]*\})", str(refused.value)).group(1))
+    train, _ = load(path, columns=columns)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert train.to_list() == [{"prompt": row["question"], "completion": row["chosen"]} for row in rows]
 
 
 @pytest.mark.launches
@@ -198,6 +251,10 @@ HUB_REFUSALS = [
      ["every row's prompt fills `max_length: 64`", "raise max_length above"]),
     ("oasst message of another role", lambda t: data(t, [OASST_ROOT | {"role": "moderator"}]),
      ["row 1", "`role: moderator`", "prompter and assistant"]),
+    ("preference rows whose prompt is in another column (Intel/orca_dpo_pairs)",
+     lambda t: [*TINY, "--dataset_name", str(DATASETS / "Intel_orca_dpo_pairs.jsonl")],
+     ["Intel_orca_dpo_pairs.jsonl [train]: preference rows whose `chosen` holds the answer alone",
+      "e.g. columns: {question: prompt}"]),
     ("alignment-handbook weight above 1", lambda t: ["--config", str(write(t / "recipe.yaml", FULL.read_text() + (
         f"dataset_mixture:\n  datasets:\n    - id: {rows_file(t, [{'messages': good_turns()}])}\n      weight: 1.5\n"
     ))), "--tiny"],

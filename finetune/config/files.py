@@ -12,6 +12,7 @@ from pathlib import Path
 
 import yaml
 
+from finetune.config import llama_factory
 from finetune.errors import UserError, say
 
 # The files the project ships beside the library (recipes/, accelerate_configs/, ds_configs/, data/sample), reached
@@ -199,17 +200,20 @@ FOREIGN_KEY_HINTS = {
     "logging_dir": "transformers 5 reads TENSORBOARD_LOGGING_DIR: set it under `env:`",
     "datasets": "TRL's mixture list: move it under `dataset_mixture:`",
     "streaming": "finetune loads datasets whole: remove it",
+    **llama_factory.HINTS,
 }
 
 
 def read_foreign_keys(recipe: dict, recipe_path: str, stream=None) -> dict:
     """alignment-handbook's and TRL's recipe keys that mean a setting of finetune's under another shape, in that
     shape; and those that transformers 5 and TRL 1.x no longer read, left out where that changes nothing. One line
-    says what was read how. The other keys of those recipes are TRL's own (RENAMED_KEYS: read_recipe). An axolotl
-    recipe is read in finetune's names first (finetune/config/axolotl.py)."""
+    says what was read how. The other keys of those recipes are TRL's own (RENAMED_KEYS: read_recipe). An axolotl or
+    LLaMA-Factory recipe is read in finetune's names first (finetune/config/axolotl.py, llama_factory.py)."""
     from finetune.config.axolotl import read_axolotl_recipe
 
     recipe, notes = read_axolotl_recipe(recipe, recipe_path)
+    recipe, llama_factory_notes = llama_factory.read_llama_factory_recipe(recipe)
+    notes += llama_factory_notes
     for key, why in DROPPED_KEYS.items():
         if key in recipe:
             del recipe[key]
@@ -235,8 +239,47 @@ def read_foreign_keys(recipe: dict, recipe_path: str, stream=None) -> dict:
 def _hint(key: str, known: set[str]) -> str:
     if key in FOREIGN_KEY_HINTS:
         return f" ({FOREIGN_KEY_HINTS[key]})"
-    close = difflib.get_close_matches(key, known, n=1, cutoff=0.75)
+    spellings = [name for name in known if _spelled_alike(key, name)]
+    close = difflib.get_close_matches(key, spellings, n=1, cutoff=0)
     return f" (did you mean `{close[0]}`?)" if close else ""
+
+
+# A name is offered for an unknown key only as another spelling of the same words: a slip changes a letter, a key of
+# another meaning changes a word. Nearness of letters alone offered `local_rank` for LLaMA-Factory's `lora_rank`,
+# `data_seed` for its `dataset`, `chat_template` (Jinja text) for its `template` (a name), and took dozens of the run's
+# own keys for another of a different meaning (`fp16` and `bf16`, `eval_strategy` and `save_strategy`, `load_in_4bit`
+# and `load_in_8bit`): any of them, written as told, runs with a setting the recipe never asked for.
+def _spelled_alike(typed: str, name: str) -> bool:
+    """The same letters with other separators or case (`max-length`, `batchsize`), or the same words in the same order,
+    each at most one slip apart."""
+    typed_words, words = _words(typed), _words(name)
+    if "".join(typed_words) == "".join(words):
+        return True
+    return len(typed_words) == len(words) and all(map(_one_slip_apart, typed_words, words))
+
+
+def _words(name: str) -> list[str]:
+    return name.lower().replace("-", "_").split("_")
+
+
+def _one_slip_apart(typed: str, word: str) -> bool:
+    """`typed` is `word`, or `word` with one letter left out, added, changed or swapped with the next; never in the
+    first letter nor in a number, where one character makes another word (`lora` and `dora`, `4bit` and `8bit`)."""
+    if typed == word:
+        return True
+    if not typed or not word or typed[0] != word[0] or abs(len(typed) - len(word)) > 1:
+        return False
+    if _digits(typed) != _digits(word):
+        return False
+    at = next((i for i, (a, b) in enumerate(zip(typed, word)) if a != b), min(len(typed), len(word)))
+    if len(typed) != len(word):
+        return typed[at + 1:] == word[at:] or typed[at:] == word[at + 1:]
+    swapped = typed[at:at + 2] == word[at:at + 2][::-1] and typed[at + 2:] == word[at + 2:]
+    return typed[at + 1:] == word[at + 1:] or swapped
+
+
+def _digits(word: str) -> str:
+    return "".join(character for character in word if character.isdigit())
 
 
 def refuse_unknown_keys(recipe: dict, known: set[str], recipe_path: str) -> None:

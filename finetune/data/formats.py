@@ -35,6 +35,7 @@ TURN_COLUMNS = ("conversations", "conversation", "items")  # ShareGPT's names fo
 ROW_SHAPES = {
     "messages": ("messages",),
     "prompt-completion": ("prompt", "completion"),
+    "preference": ("chosen", "rejected"),  # DPO's rows (trl-lib/ultrafeedback_binarized), trained on the chosen side
     "oasst": ("message_id", "role", "text"),  # OpenAssistant/oasst1, oasst2: one message of a tree per row
     "Alpaca": ("instruction", "output"),
     "Dolly": ("instruction", "response"),  # databricks/databricks-dolly-15k, `context` as Alpaca's `input`
@@ -62,6 +63,9 @@ OASST_ROLES = {"prompter": "user", "assistant": "assistant"}
 
 
 ANSWER_HINTS = ("answer", "response", "reply", "output", "completion", "target")
+
+
+PROMPT_HINTS = ("prompt", "question", "instruction", "input", "query")
 
 
 MIXTURE_KEYS = {"datasets", "seed", "test_split_size"}
@@ -150,6 +154,8 @@ def to_trl_format(dataset: Dataset, source: str, columns: dict | list | None = N
         return dataset.select_columns(kept)
     if shape == "oasst":
         return _oasst_conversations(dataset, source)
+    if shape == "preference":
+        return _chosen_rows(dataset, source)
     label = shape if shape in INSTRUCTION_COLUMNS else _turn_style(dataset[0][shape], shape)
     convert = _instruction_messages if shape in INSTRUCTION_COLUMNS else _turn_messages
     converted = dataset.map(lambda row, index: {"messages": convert(row, index + 1, source, shape)}, with_indices=True,
@@ -210,7 +216,9 @@ def _mixed_rows(source: str, number: int, row: dict, shape: str) -> UserError:
 
 
 def _suggested_mapping(row: dict) -> str:
-    """A `columns:` mapping for what the row holds: a list of turns as `messages`, two texts as prompt and answer."""
+    """A `columns:` mapping for what the row holds: a list of turns as `messages`, two texts as prompt and answer;
+    never a rejected answer of preference rows, which would be trained as the one to give."""
+    row = {column: value for column, value in row.items() if "rejected" not in column.lower()}
     turns = [column for column, value in row.items()
              if isinstance(value, list) and value and isinstance(value[0], dict)]
     texts = [column for column, value in row.items() if isinstance(value, str)]
@@ -221,6 +229,32 @@ def _suggested_mapping(row: dict) -> str:
         prompt = next(column for column in texts if column != answer)
         return f"{{{prompt}: prompt, {answer}: completion}}"
     return "{dialog: messages}"
+
+
+def _chosen_rows(dataset: Dataset, source: str) -> Dataset:
+    """Preference rows trained as SFT on their chosen side, as alignment-handbook's SFT recipes train on preference
+    data, and said in one line: a chosen conversation as `messages`, a `prompt` with its chosen answer (text or turns)
+    as `prompt` + `completion`, a chosen text holding the whole exchange (Anthropic/hh-rlhf's) as `text`. Told from the
+    first row, as the other shapes are: a row unlike it is refused by the row checks."""
+    chosen = dataset[0]["chosen"]
+    prompts = [column for column, value in dataset[0].items() if isinstance(value, str)
+               and column not in ("chosen", "rejected") and any(hint in column.lower() for hint in PROMPT_HINTS)]
+    if isinstance(chosen, list) and any(isinstance(turn, dict) and turn.get("role") not in ("assistant", "tool")
+                                        for turn in chosen):
+        columns, trained = {"chosen": "messages"}, "the chosen conversation as `messages`"
+    elif "prompt" in dataset.column_names:
+        columns, trained = {"prompt": "prompt", "chosen": "completion"}, "`prompt` and the chosen answer as `completion`"
+    elif isinstance(chosen, str) and not prompts:
+        columns, trained = {"chosen": "text"}, "the chosen text as `text`"
+    else:
+        raise UserError(f"{source}: preference rows whose `chosen` holds the answer alone, with no `prompt` column to "
+                        f"train it after; name the prompt's column with `columns:` in the recipe, e.g. columns: "
+                        f"{{{prompts[0] if prompts else 'question'}: prompt}}.")
+    kept = [*columns, *(column for column in TRL_EXTRAS if column in dataset.column_names)]
+    unused = [column for column in dataset.column_names if column not in kept and column != "rejected"]
+    say(f"{source}: preference rows (`chosen` and `rejected`) found; training on {trained} ({len(dataset)} rows), "
+        f"`rejected` dropped" + (f" (not used either: {unused})" if unused else ""))
+    return dataset.select_columns(kept).rename_columns({old: new for old, new in columns.items() if old != new})
 
 
 def _text(value, source: str, number: int, where: str) -> str:
