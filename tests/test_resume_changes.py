@@ -203,6 +203,25 @@ def test_a_run_record_cut_short_still_compares_the_checkpoints_own_adapter_confi
     assert "`lora_alpha` (32 -> 64)" in str(refused.value), str(refused.value)
 
 
+def test_a_run_record_cut_short_still_compares_the_checkpoints_own_training_arguments(tmp_path):
+    """The Trainer's arguments pickled in the checkpoint (training_args.bin, as the Trainer saves them) are read with
+    torch's weights-only unpickler: a changed seed is refused with the run record gone; a pickle that would build any
+    other class is not read (its checkpoint is compared by its JSON files only)."""
+    output_dir = run_folder(tmp_path)
+    written = parse_args([*LORA, "--output_dir", str(output_dir)]).training
+    torch.save(written, output_dir / "checkpoint-4" / "training_args.bin")
+    folder_files.write_marker(output_dir / "checkpoint-4", 4, 1)
+    (output_dir / RUN_RECORD).write_text('{"model_name_or_path": "meta-ll')
+    relaunch(output_dir)
+    with pytest.raises(UserError) as refused:
+        relaunch(output_dir, "--seed", "7")
+    assert "`seed` (42 -> 7)" in str(refused.value), str(refused.value)
+    assert resume.training_arguments(output_dir / "checkpoint-4")["lr_scheduler_type"] == "cosine"
+
+    torch.save({"arguments": written, "code": print}, output_dir / "checkpoint-4" / "training_args.bin")
+    assert resume.training_arguments(output_dir / "checkpoint-4") == {}
+
+
 @pytest.mark.parametrize("record", ["kept", "gone"])
 def test_a_checkpoint_of_another_run_folder_is_compared_with_that_run(record, tmp_path):
     other = run_folder(tmp_path / "other", "--lora_r", "8")

@@ -15,10 +15,12 @@ still before the model):
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import hashlib
 import json
 import os
+import pickle
 from pathlib import Path
 
 from transformers import TrainerCallback
@@ -60,6 +62,21 @@ CHANGEABLE = (
 ADAPTER_CONFIG_FIELDS = {"r": "lora_r", "lora_alpha": "lora_alpha", "use_rslora": "use_rslora", "use_dora": "use_dora",
                          "lora_dropout": "lora_dropout", "target_parameters": "lora_target_parameters"}
 TRAINER_STATE_FIELDS = {"train_batch_size": "per_device_train_batch_size"}
+# The Trainer's arguments, pickled into each checkpoint (training_args.bin): the fields the run record compares that
+# do not depend on the process count (the accumulation may be rescaled for another one: keep_global_batch).
+TRAINING_ARGS_FIELDS = ("seed", "data_seed", "optim", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon",
+                        "learning_rate", "lr_scheduler_type", "warmup_steps", "max_length", "packing", "padding_free",
+                        "assistant_only_loss", "completion_only_loss")
+# The only classes that file may build: it is read with torch's weights-only unpickler, so that a checkpoint from
+# another folder cannot run code here; a file needing any other class (another version, another trainer) is skipped.
+TRAINING_ARGS_CLASSES = (
+    "trl.trainer.sft_config.SFTConfig", "transformers.training_args.TrainingArguments",
+    "transformers.trainer_utils.SchedulerType", "transformers.training_args.OptimizerNames",
+    "transformers.trainer_utils.IntervalStrategy", "transformers.trainer_utils.SaveStrategy",
+    "transformers.trainer_utils.HubStrategy", "transformers.trainer_utils.FSDPOption",
+    "transformers.debug_utils.DebugOption", "transformers.trainer_pt_utils.AcceleratorConfig",
+    "accelerate.state.PartialState", "accelerate.utils.dataclasses.DistributedType",
+)
 
 
 FINGERPRINT_ROWS = 1000  # rows hashed, evenly spaced: a re-staged copy of the same file matches, an edited one not
@@ -102,7 +119,30 @@ def checkpoint_settings(checkpoint: Path) -> dict:
         found["use_peft"] = False
     state = read_object(checkpoint / "trainer_state.json")
     found |= {name: state[key] for key, name in TRAINER_STATE_FIELDS.items() if key in state}
-    return found
+    return found | training_arguments(checkpoint)
+
+
+def training_arguments(checkpoint: Path) -> dict:
+    """TRAINING_ARGS_FIELDS as the checkpoint's training_args.bin holds them, or nothing where it cannot be read
+    with only TRAINING_ARGS_CLASSES."""
+    path = checkpoint / "training_args.bin"
+    if not path.is_file():
+        return {}
+    import importlib
+
+    import torch
+
+    classes = []
+    for dotted in TRAINING_ARGS_CLASSES:
+        module, _, name = dotted.rpartition(".")
+        with contextlib.suppress(ImportError, AttributeError):  # a class this version does not have is not needed
+            classes.append(getattr(importlib.import_module(module), name))
+    try:
+        with torch.serialization.safe_globals(classes):
+            arguments = torch.load(path, weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError):
+        return {}
+    return {name: _plain(getattr(arguments, name)) for name in TRAINING_ARGS_FIELDS if hasattr(arguments, name)}
 
 
 def data_fingerprint(dataset) -> str:
