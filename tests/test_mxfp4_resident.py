@@ -214,3 +214,32 @@ def test_resident_experts_in_more_than_one_process_are_refused_before_loading(mx
     with pytest.raises(UserError, match="keeps the experts resident in MXFP4 in one process only, and this launch "
                                         "runs ddp"):
         recipe_checks.check(run)
+
+
+def test_a_trained_adapter_generates_the_same_with_its_experts_resident_as_dequantized(mxfp4_folder, tmp_path,
+                                                                                       monkeypatch):
+    """chat, generate and eval load a GPT-OSS adapter on its MXFP4 base with the experts resident on a GPU (120B's bf16
+    experts fit no single GPU): the adapter's logits and greedy tokens are those of the dequantized base."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Mxfp4Config
+
+    from finetune.run import generation
+
+    base = AutoModelForCausalLM.from_pretrained(mxfp4_folder, dtype=torch.float32,
+                                                quantization_config=Mxfp4Config(dequantize=True))
+    torch.manual_seed(0)
+    adapted = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj"],
+                                              target_parameters=list(expert_lora.EXPERT_WEIGHTS), init_lora_weights=False))
+    adapted.save_pretrained(tmp_path / "adapter")
+    AutoTokenizer.from_pretrained(mxfp4_folder).save_pretrained(tmp_path / "adapter")
+    ids = torch.randint(0, 200, (1, 12), generator=torch.Generator().manual_seed(3))
+    outputs = {}
+    for resident in (False, True):
+        monkeypatch.setattr(generation, "keeps_experts_in_mxfp4", lambda device, resident=resident: resident)
+        model, _ = generation.load_trained(str(tmp_path / "adapter"), str(mxfp4_folder), "cpu")
+        assert any(isinstance(module, mxfp4_experts.ResidentExperts) for module in model.modules()) == resident
+        with torch.no_grad():
+            outputs[resident] = (model(input_ids=ids).logits,
+                                 model.generate(input_ids=ids, max_new_tokens=6, do_sample=False))
+    assert torch.allclose(outputs[True][0], outputs[False][0], rtol=1e-5, atol=1e-5)
+    assert torch.equal(outputs[True][1], outputs[False][1])

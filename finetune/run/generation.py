@@ -70,20 +70,30 @@ def load_trained(output_dir: str, base: str | None = None, device: str | None = 
     return load_checked(check_trained(output_dir, base, device, flag))
 
 
+def keeps_experts_in_mxfp4(device: str) -> bool:
+    """On a GPU an MXFP4 checkpoint's experts stay MXFP4 (GPT-OSS-120B's in bf16 would not fit one GPU) and each layer
+    is dequantized as it runs, by the Triton kernel; on a CPU transformers dequantizes them at load instead, as the
+    torch reference would do for every layer of every generated token."""
+    return device.startswith("cuda")
+
+
 def load_checked(loadable: Loadable):
     """The model and tokenizer of a model `check_trained` let through."""
     import torch
     from transformers import AutoModelForCausalLM, Mxfp4Config
 
-    from finetune.models import mxfp4
+    from finetune.models import expert_lora, mxfp4, mxfp4_loading
     from finetune.run import model as model_loading
 
     weights, device = loadable.base or loadable.output_dir, loadable.device
-    kwargs = {"dtype": torch.bfloat16 if device.startswith("cuda") else torch.float32, "use_safetensors": True}
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    kwargs = {"dtype": dtype, "use_safetensors": True}
+    resident = mxfp4.is_mxfp4_checkpoint(weights) and keeps_experts_in_mxfp4(device)
     if mxfp4.is_mxfp4_checkpoint(weights):
         kwargs["quantization_config"] = Mxfp4Config(dequantize=True)
     try:
-        model = AutoModelForCausalLM.from_pretrained(weights, device_map={"": device}, **kwargs)
+        model = mxfp4_loading.load(weights, device, dtype) if resident else \
+            AutoModelForCausalLM.from_pretrained(weights, device_map={"": device}, **kwargs)
     except OSError as error:
         raise UserError(
             f"{weights}: the model could not be loaded ({first_line(error)}); without network pass a local "
@@ -92,6 +102,8 @@ def load_checked(loadable: Loadable):
     model_loading.fix_generation_config(model, loadable.tokenizer)
     if loadable.base:
         model = model_loading.load_adapter(model, loadable.output_dir, loadable.base, "--base")
+        if resident:  # the expert adapters through the grouped GEMMs: the placeholders cannot take W + B·A
+            expert_lora.install(model)
     model.eval()
     return model, loadable.tokenizer
 
