@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from finetune.config.launch_request import arguments_after_accelerate_launch
-from tests.helpers import ACCELERATE, free_port, run_sft_in_process, write
-from tests.test_bad_inputs import FULL, TINY, accelerate_config, check_bad_input, check_refusal, recipe_with
+from tests.helpers import ACCELERATE, ROOT, free_port, run_sft_in_process, write
+from tests.test_bad_inputs import FINETUNE, FULL, TINY, accelerate_config, check_bad_input, check_refusal, recipe_with
 
 # batch 4 against the recipe's 8, accumulation left out (1) against its 2
 CONTRADICTING = {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": 4}
@@ -131,3 +131,28 @@ def test_transformers_strategy_arguments_are_refused_for_the_accelerate_config(n
         recipe = recipe_with(tmp_path, FULL, f"{name}: '{value}'")
         case = (name, lambda t: ["--config", str(recipe), "--tiny"], [str(recipe), *words])
     check_bad_input(case, tmp_path, capfd, monkeypatch)
+
+
+@pytest.mark.launches
+@pytest.mark.parametrize("launcher", ["finetune launch", "torchrun"])
+def test_finetune_launch_and_torchrun_meet_the_same_refusal_as_the_flag(launcher, tmp_path, capfd, monkeypatch):
+    """The two launchers that start real processes here: `finetune launch` hands the accelerate config to accelerate
+    unchanged, `torchrun` starts scripts/sft.py with transformers' --deepspeed flag; the training process refuses the
+    contradiction in the sentence the flag gets in this process."""
+    import subprocess
+
+    ds = write(tmp_path / "ds.json", json.dumps(CONTRADICTING))
+    flag = run_sft_in_process([*TINY, "--deepspeed", str(ds), "--output_dir", str(tmp_path / "flag")], capfd,
+                              monkeypatch)
+    output_dir = str(tmp_path / "out")
+    if launcher == "finetune launch":
+        command = [FINETUNE, "launch", "--config_file", str(accelerate_config(tmp_path, CONTRADICTING)),
+                   "--main_process_port", str(free_port()), *TINY, "--output_dir", output_dir]
+    else:
+        command = [str(Path(sys.executable).with_name("torchrun")), "--nproc_per_node", "1", "--master_port",
+                   str(free_port()), str(ROOT / "scripts" / "sft.py"), *TINY, "--deepspeed", str(ds),
+                   "--output_dir", output_dir]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    check_refusal(result, WORDS, by_accelerate=True)
+    assert the_refusal(result.stderr) == the_refusal(flag.stderr)
+    assert not Path(output_dir).exists()
