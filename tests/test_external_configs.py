@@ -402,12 +402,14 @@ def test_an_fsdp_file_wrapping_a_layer_class_the_model_lacks_is_refused_before_l
     """accelerate's examples name BertLayer in `fsdp_transformer_layer_cls_to_wrap`; accelerate fails on a class the
     model does not have once the model is loaded."""
 
+    from finetune.config.launch_request import read_exported_launch
     from finetune.errors import UserError
 
     run = arguments.parse_args([*TINY, "--output_dir", str(tmp_path / "out")])
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # as accelerate launch exports an FSDP file's fields
     monkeypatch.setenv("FSDP_AUTO_WRAP_POLICY", "TRANSFORMER_BASED_WRAP")
     monkeypatch.setenv("FSDP_TRANSFORMER_CLS_TO_WRAP", "LlamaDecoderLayer")
+    run.launch = read_exported_launch()  # what an FSDP launch's processes read (parsed without FSDP's version check)
     model_folder.resolve_model_path(run)
     monkeypatch.setenv("FSDP_TRANSFORMER_CLS_TO_WRAP", "BertLayer")
     with pytest.raises(UserError, match="`fsdp_transformer_layer_cls_to_wrap: BertLayer` names BertLayer, which "

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from finetune import families, patches, run_folder
-from finetune.config.launch_request import accelerate_config_file
+from finetune.config.launch_request import ExportedLaunch
 from finetune.errors import UserError, say
 from finetune.models import tiny
 from finetune.run_folder import RUN_RECORD
@@ -29,7 +29,7 @@ def resolve_model_path(run) -> str:
         check_model(name, "--model_name_or_path", revision=revision)  # first: it names a missing or damaged config.json
         family_of_run(run)
         path = name
-    check_fsdp_wrap(path, name)
+    check_fsdp_wrap(path, name, run.launch)
     return path
 
 
@@ -223,10 +223,10 @@ def _skeleton(model_path: str):
         return None
 
 
-def check_fsdp_wrap(model_path: str, name: str) -> None:
+def check_fsdp_wrap(model_path: str, name: str, launch: ExportedLaunch) -> None:
     """An FSDP file's `fsdp_transformer_layer_cls_to_wrap` (accelerate's own examples name BertLayer) must name layer
     classes of this model: accelerate fails on it only once the model is loaded."""
-    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true" or \
+    if launch.strategy != "fsdp" or \
             os.environ.get("FSDP_AUTO_WRAP_POLICY", "TRANSFORMER_BASED_WRAP") != "TRANSFORMER_BASED_WRAP":
         return
     wanted = [cls.strip() for cls in os.environ.get("FSDP_TRANSFORMER_CLS_TO_WRAP", "").split(",") if cls.strip()]
@@ -237,7 +237,7 @@ def check_fsdp_wrap(model_path: str, name: str) -> None:
     missing = [cls for cls in wanted if cls not in classes]
     if missing:
         layers = ", ".join(patches.no_split_modules(skeleton) or sorted(classes))
-        raise UserError(f"{accelerate_config_file()}: `fsdp_transformer_layer_cls_to_wrap: {','.join(wanted)}` names "
+        raise UserError(f"{launch.config_file}: `fsdp_transformer_layer_cls_to_wrap: {','.join(wanted)}` names "
                         f"{', '.join(missing)}, which {name} does not have (its decoder layers: {layers}); "
                         f"remove the field to wrap each decoder layer, as accelerate_configs/fsdp.yaml does.")
 

@@ -158,8 +158,3 @@ def read_exported_launch() -> ExportedLaunch:
         strategy = "ddp" if world_size > 1 else "single"
     return ExportedLaunch(strategy, accelerate_config_file(), deepspeed_file, deepspeed_config, world_size,
                           fsdp_activation_checkpointing_asked_for())
-
-
-def requested_strategy() -> str:
-    """What the accelerate config file asked for (fsdp, zero1-3, ddp or single), for code that has no RunConfig."""
-    return read_exported_launch().strategy

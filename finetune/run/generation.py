@@ -88,8 +88,9 @@ def load_checked(loadable: Loadable):
     weights, device = loadable.base or loadable.output_dir, loadable.device
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     kwargs = {"dtype": dtype, "use_safetensors": True}
-    resident = mxfp4.is_mxfp4_checkpoint(weights) and keeps_experts_in_mxfp4(device)
-    if mxfp4.is_mxfp4_checkpoint(weights):
+    mxfp4_base = mxfp4.is_mxfp4_checkpoint(weights)
+    resident = mxfp4_base and keeps_experts_in_mxfp4(device)
+    if mxfp4_base:
         kwargs["quantization_config"] = Mxfp4Config(dequantize=True)
     try:
         model = mxfp4_loading.load(weights, device, dtype) if resident else \
