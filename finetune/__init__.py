@@ -7,7 +7,13 @@ neither torch nor trl; they load when a run starts.
 
 import logging
 
-from finetune.api import launch, train  # noqa: F401  (the notebook entry points; api.py imports nothing heavy)
+from finetune.compile_cache import keep_compile_caches
+
+# before torch is imported (every entry point imports finetune first): torch writes its /tmp default into the
+# environment the first time its compiler is imported, and that folder is gone after a reboot
+keep_compile_caches()
+
+from finetune.api import launch, train  # noqa: E402, F401  (the notebook entry points; api.py imports nothing heavy)
 
 __version__ = "0.1.0"
 

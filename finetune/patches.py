@@ -150,6 +150,23 @@ says what to revisit and which test fails first.
   why: recompilations are what finetune_speed.json shows first; torch has no public count.
   targets: torch 2.11 and 2.13.
   guarded by: test_compile_once.py::test_compiled_recipes_compile_once_for_rows_of_every_length.
+- `cache_graphs_with_custom_autograd_functions`
+  does: sets `torch._functorch.config.autograd_cache_allow_custom_autograd_functions`.
+  why: AOTAutograd's cache skips every graph that holds a `torch.autograd.Function` (GPT-OSS's layers hold
+  finetune/models/expert_lora.py's `GroupedLoraMatmul`), so each launch traced and partitioned them again. It is safe
+  for ours: dynamo traces the Function's forward and backward into the graph the cache is keyed on (the scaling, the
+  only non-tensor it keeps, as a constant), and they call only torch's ops and this toolkit's `torch.library` custom
+  ops, which the compiled code calls at run time rather than copying.
+  targets: torch 2.11 and 2.13 (the config, and TORCHINDUCTOR_AUTOGRAD_CACHE_ALLOW_CUSTOM_AUTOGRAD, its variable).
+  guarded by: test_compile_once.py::test_a_second_launch_loads_every_compiled_graph_from_the_cache.
+- `CompileCacheEvents` (finetune/run/speed.py, `compile_caches`)
+  does: reads `torch._dynamo.utils.counters` ("inductor": fxgraph_cache_*, "aot_autograd": autograd_cache_*) and
+  listens to the loggers `torch._inductor.codecache` and `torch._functorch._aot_autograd.autograd_cache` for the
+  reasons they give for not caching a graph ("Bypassing ...", "unable to serialize ..."), at their INFO level, without
+  letting those records reach torch's own handlers unless TORCH_LOGS asked for them.
+  why: a launch that finds the caches warm but compiles again says why only there; torch has no public record of it.
+  targets: torch 2.11 and 2.13.
+  guarded by: test_compile_once.py::test_a_second_launch_loads_every_compiled_graph_from_the_cache.
 - `torch._dynamo.utils.compilation_time_metrics` (finetune/run/speed.py, `compile_seconds`)
   does: reads dynamo's private table of seconds per timed compile phase (what `torch._dynamo.utils.compile_times`
   prints).
@@ -311,6 +328,12 @@ def set_activation_memory_budget(budget: float) -> None:
     from torch._functorch import config as functorch_config
 
     functorch_config.activation_memory_budget = budget
+
+
+def cache_graphs_with_custom_autograd_functions() -> None:
+    from torch._functorch import config as functorch_config
+
+    functorch_config.autograd_cache_allow_custom_autograd_functions = True
 
 
 def skip_unused_deepspeed(training) -> None:

@@ -23,23 +23,39 @@ def test_a_run_without_deepspeed_does_not_import_it_and_one_with_it_gets_it_back
     assert sys.modules.get("deepspeed", "absent") is not None
 
 
-def test_compiled_runs_keep_torch_caches_outside_tmp_unless_the_user_chose(monkeypatch, tmp_path):
-    from finetune.models import compilation
+def test_compile_caches_leave_tmp_for_the_finetune_folder_unless_the_user_chose_one(monkeypatch, tmp_path):
+    from finetune import compile_cache
 
-    training = SimpleNamespace(torch_compile=True, gradient_checkpointing=True)
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "")  # restored afterwards to what it was, unset included
-    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    compilation.prepare_process(training)
-    assert compilation.COMPILE_CACHE.parts[-2:] == ("finetune", "compile")
-    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(compilation.COMPILE_CACHE / "inductor")
-    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path)
+    for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "FINETUNE_COMPILE_CACHE", "XDG_CACHE_HOME"):
+        monkeypatch.setenv(name, "")  # restored afterwards to what it was, unset included
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "home-cache"))
+    assert compile_cache.keep_compile_caches() == tmp_path / "home-cache" / "finetune" / "compile"
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "home-cache" / "finetune" / "compile" / "inductor")
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "home-cache" / "finetune" / "compile" / "triton")
+
+    import torch._inductor.runtime.cache_dir_utils as torch_cache_dirs  # torch's own default replaced, not kept
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", torch_cache_dirs.default_cache_dir())
+    monkeypatch.setenv("FINETUNE_COMPILE_CACHE", str(tmp_path / "moved"))
+    compile_cache.keep_compile_caches()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "moved" / "inductor")
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "home-cache" / "finetune" / "compile" / "triton")
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))  # the user's own folder is kept
+    compile_cache.keep_compile_caches()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
+
+    compile_cache.keep_compile_caches(str(tmp_path / "flag"))  # the run's compile_cache_dir moves everything
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "flag" / "inductor")
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "flag" / "triton")
+    assert compile_cache.compile_cache() == tmp_path / "flag"
 
 
 def test_the_compile_line_says_the_previous_launch_s_time(monkeypatch, tmp_path, capsys):
     from finetune.models import compilation
 
-    monkeypatch.setattr(compilation, "COMPILE_CACHE", tmp_path)
+    monkeypatch.setenv("FINETUNE_COMPILE_CACHE", str(tmp_path))
     model = SimpleNamespace(config=SimpleNamespace(model_type="llama", hidden_size=3072, num_hidden_layers=28))
     args, state, control = None, TrainerState(), TrainerControl()
     first = compilation.CompileNotice(model, "LoRA", False, is_main_process=True)

@@ -18,14 +18,16 @@ frame it silently runs eagerly. On chat rows of varied length three things made 
 """
 
 import json
+import math
 import os
 import time
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
 from transformers import TrainerCallback
 
 from finetune import patches
+from finetune.compile_cache import compile_cache, keep_compile_caches
 from finetune.errors import say
 from finetune.json_files import read_object
 
@@ -36,22 +38,22 @@ REGIONAL_COMPILATION_ENV = "ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION"
 
 
 DYNAMIC_SHAPES_ENV = "ACCELERATE_DYNAMO_USE_DYNAMIC"
-# torch keeps its compile caches under /tmp, which a reboot or a new container empties: kept here, a relaunch reuses
-# the graphs, autotuning results and Triton kernels instead of compiling them again
-COMPILE_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "finetune" / "compile"
 FIRST_STEPS = "first_steps.json"  # seconds from training's start to the first step, per model, method and GPU
 
 
-def prepare_process(training) -> None:
+def prepare_process(training, cache_folder: str | None = None) -> None:
     """Before the Trainer builds its Accelerator: without checkpointing accelerate compiles each decoder layer
     (regional compilation), with dynamic shapes. `accelerate launch` exports its dynamo defaults to every process
     (backend NO, regional compilation False), which would make `torch_compile: true` compile the whole model, TRL's
     fused loss and its Triton launches included, once per row length (Llama-3.2-3B LoRA on an H200: no step in 170
     s); so they are replaced unless the accelerate config file asked for a dynamo backend of its own, whose
-    dynamo_config then decides. Compiled, torch's caches go to a folder that outlives /tmp (COMPILE_CACHE)."""
-    if training.torch_compile:  # a folder the user chose wins
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(COMPILE_CACHE / "inductor"))
-        os.environ.setdefault("TRITON_CACHE_DIR", str(COMPILE_CACHE / "triton"))
+    dynamo_config then decides. The compile caches are where `finetune` put them when it was imported
+    (finetune/compile_cache.py), or in the run's `compile_cache_dir`; AOTAutograd's cache takes the graphs that hold
+    this toolkit's autograd functions (patches.cache_graphs_with_custom_autograd_functions says why that is safe)."""
+    if cache_folder:
+        keep_compile_caches(cache_folder)
+    if training.torch_compile:
+        patches.cache_graphs_with_custom_autograd_functions()
     if training.torch_compile and not training.gradient_checkpointing:
         if os.environ.get(DYNAMO_BACKEND_ENV, "NO").upper() == "NO":
             os.environ[REGIONAL_COMPILATION_ENV] = "true"
@@ -99,13 +101,13 @@ def one_graph_for_every_layer(model, compiled: bool) -> None:
 class CompileNotice(TrainerCallback):
     """Before the first step of a compiled run, one line that says the decoder layer compiles, and for how long the
     previous launch of this model, method and GPU took, instead of a progress bar that stands still; after it, that
-    launch's time is kept for the next one (COMPILE_CACHE/first_steps.json)."""
+    launch's time is kept for the next one (first_steps.json in the compile cache folder)."""
 
     def __init__(self, model, method: str, checkpointing: bool, is_main_process: bool):
         device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
         self.key = (f"{model.config.model_type} {model.config.hidden_size}x{model.config.num_hidden_layers} "
                     f"{method}{' checkpointed' if checkpointing else ''} on {device}")
-        self.path = COMPILE_CACHE / FIRST_STEPS
+        self.path = compile_cache() / FIRST_STEPS
         self.is_main_process = is_main_process
         self.began = None
 
@@ -117,7 +119,7 @@ class CompileNotice(TrainerCallback):
         seconds = self._previous().get(self.key)
         if seconds is None:
             say(f"compiling the decoder layer once before the first step: a minute or more the first time; later "
-                f"launches reuse it from {os.environ.get('TORCHINDUCTOR_CACHE_DIR', COMPILE_CACHE)}")
+                f"launches reuse it from {compile_cache()}")
         else:
             say(f"compiling the decoder layer once before the first step: about {seconds:.0f} s (the previous launch "
                 f"of {self.key})")

@@ -140,6 +140,12 @@ class FinetuneArguments:
                           "34.7 GiB instead of 49.0 at the same speed. Checkpointed layers keep only their inputs: "
                           "there it is not applied."},
     )
+    compile_cache_dir: str | None = field(
+        default=None,
+        metadata={"help": "Where torch keeps what it compiles (Inductor's graphs, AOTAutograd's, Triton's kernels), so "
+                          "that the next launch on this machine loads them instead of compiling: FINETUNE_COMPILE_CACHE "
+                          "or ~/.cache/finetune/compile unless set (finetune/compile_cache.py)."},
+    )
     dequantize_mxfp4: bool = field(
         default=True,
         metadata={"help": "MXFP4 checkpoints (openai/gpt-oss-*): true dequantizes the experts to the training dtype "
@@ -335,7 +341,7 @@ def apply_to_process(run: RunConfig) -> None:
     os.environ.update(run.env)
     patches.skip_unused_deepspeed(run.training)
     saving.die_with_launcher()
-    compilation.prepare_process(run.training)
+    compilation.prepare_process(run.training, run.finetune.compile_cache_dir)
     if run.training.torch_compile and not run.training.gradient_checkpointing:
         patches.set_activation_memory_budget(run.finetune.activation_memory_budget)
     tracking.prepare(run.training)

@@ -7,6 +7,7 @@ timing steps of their own.
 """
 
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -54,10 +55,48 @@ def compile_seconds() -> dict[str, float]:
     return {phase: round(sum(times), 2) for phase, times in compilation_time_metrics.items() if sum(times) >= 0.05}
 
 
+# torch's loggers that say why a compiled graph was not cached (finetune/patches.py: CompileCacheEvents)
+CACHE_LOGGERS = ("torch._inductor.codecache", "torch._functorch._aot_autograd.autograd_cache")
+CACHE_COUNTERS = {"inductor": ("fxgraph_cache_hit", "fxgraph_cache_miss", "fxgraph_cache_bypass"),
+                  "aot_autograd": ("autograd_cache_hit", "autograd_cache_miss", "autograd_cache_bypass")}
+
+
+class CompileCacheEvents(logging.Filter):
+    """Collects the reasons torch gives for not caching a graph; passes on only the records torch's own level
+    (TORCH_LOGS) would have let through."""
+
+    def __init__(self):
+        super().__init__()
+        self.reasons: dict[str, int] = {}
+        self.levels = {}
+        for name in CACHE_LOGGERS:
+            logger = logging.getLogger(name)
+            self.levels[name] = logger.getEffectiveLevel()
+            logger.setLevel(min(logging.INFO, self.levels[name]))
+            logger.addFilter(self)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if "Bypassing" in message or "unable to serialize" in message:
+            reason = message.split("\n")[0][:300]
+            self.reasons[reason] = self.reasons.get(reason, 0) + 1
+        return record.levelno >= self.levels.get(record.name, logging.WARNING)
+
+
+def compile_caches(events: CompileCacheEvents | None) -> dict:
+    """Graphs loaded from the compile caches (hit), compiled and stored (miss), and compiled without them (bypass),
+    by Inductor and by AOTAutograd, with the reasons torch gave for each bypass."""
+    from torch._dynamo.utils import counters
+
+    found = {name: counters[group][name] for group, names in CACHE_COUNTERS.items() for name in names}
+    return {**found, "not_cached_because": dict(events.reasons) if events else {}}
+
+
 class SpeedRecord(TrainerCallback):
-    def __init__(self, output_dir: str, is_main_process: bool):
+    def __init__(self, output_dir: str, is_main_process: bool, compiled: bool = False):
         self.path = Path(output_dir) / SPEED_RECORD
         self.is_main_process = is_main_process
+        self.cache_events = CompileCacheEvents() if compiled else None
         self.started = process_start_time()
         self.train_begin = None
         self.started_at_step = None
@@ -105,6 +144,7 @@ class SpeedRecord(TrainerCallback):
             "steps": last["step"] - first["step"] + 1,
             "compiled_graphs": last["compiled_graphs"],
             "compile_seconds": compile_seconds(),
+            "compile_caches": compile_caches(self.cache_events),
             "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available()
             else None,
             # each retry freed the allocator's cache and waited for the GPU: memory near full, every step slower
@@ -132,4 +172,8 @@ def describe(record: dict) -> str:
     if record["peak_memory_gib"] is not None:
         parts.append(f"peak {record['peak_memory_gib']} GiB")
     parts.append(f"{record['compiled_graphs']} compiled graphs")
+    caches = record.get("compile_caches", {})
+    if caches.get("fxgraph_cache_hit") or caches.get("fxgraph_cache_miss"):
+        parts.append(f"{caches['fxgraph_cache_hit']} loaded from the compile cache, {caches['fxgraph_cache_miss']} "
+                     f"compiled into it")
     return "; ".join(parts)

@@ -201,7 +201,7 @@ def build_trainer(run: RunConfig, model: PreTrainedModel, tokenizer, train_set, 
     trainer.add_callback(resume.ResumedRun(run.finetune.resume_with_new_schedule, run.training.learning_rate,
                                            resume.schedule_start(run.resumes_from)))
     trainer.add_callback(WarmupNotice())
-    trainer.add_callback(speed.SpeedRecord(run.training.output_dir, trainer.accelerator.is_main_process))
+    trainer.add_callback(speed.SpeedRecord(run.training.output_dir, trainer.accelerator.is_main_process, compiled))
     if compiled:
         trainer.add_callback(compilation.CompileNotice(model, "LoRA" if run.model.use_peft else "full",
                                                        run.training.gradient_checkpointing,
