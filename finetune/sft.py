@@ -12,7 +12,9 @@ from __future__ import annotations
 from finetune import run_folder
 from finetune.checks import model_folder, relaunch
 from finetune.checks import recipe as recipe_checks
+from finetune.families import family_of
 from finetune.data import load as data
+from finetune.models import compilation
 from finetune.run import arguments, model, speed
 from finetune.run import trainer as training
 from finetune.run.arguments import RunConfig
@@ -40,6 +42,7 @@ def prepare(argv: list[str] | None = None):
         train_set, eval_set = data.load_datasets(run.script, run.training, None if run.finetune.truncation else tokenizer,
                                                  run.finetune, record=run.data_sources, tokenizer=tokenizer)
         relaunch.check_data_unchanged(run, train_set)
+        compilation.compile_only_if_it_pays(run, family_of(model_path).name, len(train_set))
         loaded = model.load_model(run, model_path)
         speed.mark("model_loaded")  # on the GPU where it loads there (quantized, MXFP4), else on the CPU
         trainer = training.build_trainer(run, loaded, tokenizer, train_set, eval_set)

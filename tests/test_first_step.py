@@ -2,6 +2,7 @@
 compile caches in a folder that outlives /tmp, and the line that says the decoder layer compiles, and for how long."""
 
 import importlib.util
+import json
 import os
 import sys
 from types import SimpleNamespace
@@ -66,3 +67,55 @@ def test_the_compile_line_says_the_previous_launch_s_time(monkeypatch, tmp_path,
     compilation.CompileNotice(model, "LoRA", False, is_main_process=True).on_train_begin(args, state, control)
     assert ("compiling the decoder layer once before the first step: about 51 s (the previous launch of llama "
             "3072x28 LoRA on cpu)") in capsys.readouterr().out
+
+
+def _gpu_run(recipe: str, *flags: str):
+    """The recipe's run as parsed on a GPU machine: compiled as the recipe asks (a CPU turns it off)."""
+    from finetune.run.arguments import parse_args
+    from tests.helpers import ROOT
+
+    run = parse_args(["--config", str(ROOT / "recipes" / recipe), "--tiny", *flags])
+    if "torch_compile" not in run.flags:
+        run.training.torch_compile = True
+    return run
+
+
+def test_a_run_too_short_to_repay_the_compile_runs_eager_and_says_why(monkeypatch, tmp_path, capsys):
+    from finetune.models import compilation
+
+    monkeypatch.setenv("FINETUNE_COMPILE_CACHE", str(tmp_path / "empty-cache"))
+    for name in ("ACCELERATE_DYNAMO_BACKEND", "ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION"):
+        monkeypatch.setenv(name, "x")  # restored afterwards
+    smoke = _gpu_run("llama-3.2-3b/lora.yaml", "--max_steps", "10", "--max_length", "2048")
+    capsys.readouterr()
+    compilation.compile_only_if_it_pays(smoke, "llama", rows=100_000)
+    said = capsys.readouterr().out
+    assert not smoke.training.torch_compile and os.environ["ACCELERATE_DYNAMO_BACKEND"] == "NO"
+    assert "running eager: compiling would not pay for itself in 10 steps (each of up to 32,768 tokens saves about " \
+           "0.42 s, against ~87 s of compiling" in said and "`--torch_compile true` compiles anyway" in said
+
+    # an epoch of 5,000 rows in steps of 8 x 2 rows: 313 steps of 0.42 s pay for 87 s of compiling
+    long_run = _gpu_run("llama-3.2-3b/lora.yaml", "--max_length", "2048")
+    compilation.compile_only_if_it_pays(long_run, "llama", rows=5_000)
+    assert long_run.training.torch_compile
+    small_data = _gpu_run("llama-3.2-3b/lora.yaml", "--max_length", "2048")
+    compilation.compile_only_if_it_pays(small_data, "llama", rows=1_000)  # 63 steps
+    assert not small_data.training.torch_compile
+
+    forced = _gpu_run("llama-3.2-3b/lora.yaml", "--max_steps", "10", "--torch_compile", "true")
+    capsys.readouterr()
+    compilation.compile_only_if_it_pays(forced, "llama", rows=100_000)
+    assert forced.training.torch_compile and capsys.readouterr().out == ""
+
+
+def test_a_short_run_compiles_where_this_machine_compiled_the_recipe_before(monkeypatch, tmp_path):
+    from finetune.models import compilation
+
+    monkeypatch.setenv("FINETUNE_COMPILE_CACHE", str(tmp_path))
+    (tmp_path / compilation.FIRST_STEPS).write_text(json.dumps({"gpt_oss 2880x24 LoRA on NVIDIA H100 80GB HBM3": 95.0}))
+    smoke = _gpu_run("gpt-oss-20b/lora.yaml", "--max_steps", "10")
+    compilation.compile_only_if_it_pays(smoke, "gpt-oss", rows=100_000)
+    assert smoke.training.torch_compile
+    checkpointed = _gpu_run("gpt-oss-20b/lora.yaml", "--max_steps", "10", "--gradient_checkpointing", "true")
+    compilation.compile_only_if_it_pays(checkpointed, "gpt-oss", rows=100_000)  # other graphs: not compiled here
+    assert not checkpointed.training.torch_compile

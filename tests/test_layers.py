@@ -9,7 +9,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "finetune"
 
 # Lowest first. A module may import from a lower layer and from its own folder; the base's files from one another.
 LAYERS = [
-    {"errors", "outcome", "families", "patches", "run_folder", "json_files"},
+    {"errors", "outcome", "families", "patches", "run_folder", "json_files", "compile_cache"},
     {"config"},
     {"data", "models", "planner"},
     {"checks"},

@@ -60,6 +60,66 @@ def prepare_process(training, cache_folder: str | None = None) -> None:
             os.environ[DYNAMIC_SHAPES_ENV] = "true"
 
 
+@dataclass(frozen=True)
+class CompileCost:
+    """What compiling costs a recipe's first launch on a machine with empty caches, and what it saves per token."""
+    compile_seconds: float
+    eager_tokens_per_s: float
+    compiled_tokens_per_s: float
+    measured: str
+
+
+# Measured (docs/benchmarks.md), by family, method and checkpointing: the compiled recipes only
+COMPILE_COSTS = {
+    ("llama", "LoRA", False): CompileCost(87.0, 19_501, 25_991, "Llama-3.2-3B LoRA: 87 s of compiling before the "
+                                          "first step on one H100 (2026-12-05), 19.5k real tok/s eager and 26.0k "
+                                          "compiled on chat rows (H200, 2026-12-02)"),
+    ("gpt-oss", "LoRA", True): CompileCost(252.0, 7_029, 8_399, "GPT-OSS-20B LoRA with checkpointing: 252 s of "
+                                           "compiling before the first step on one H100 (2026-12-05), 7.0k tok/s "
+                                           "eager and 8.4k compiled (H200, 2026-12-03)"),
+    ("gpt-oss", "LoRA", False): CompileCost(252.0, 12_681, 23_737, "GPT-OSS-20B LoRA: 252 s of compiling as with "
+                                            "checkpointing (one H100, 2026-12-05), 12.7k tok/s eager and 23.7k "
+                                            "compiled (H200, 2026-12-02)"),
+}
+
+
+def compile_only_if_it_pays(run, family: str, rows: int) -> None:
+    """A recipe's `torch_compile: true` compiles only where the run is long enough to win back the compiling: at
+    most `rows` rows (packed bins hold one or more) in steps of at most batch x accumulation x max_length tokens, each
+    saving the difference between the measured eager and compiled speeds. Compiled before on this machine (its
+    caches warm: first_steps.json has the model), it compiles. `--torch_compile true` on the command line compiles
+    whatever the length; `fp8` needs the compiler. One line says what was decided, with the figures."""
+    training = run.training
+    method = "LoRA" if run.model.use_peft else "full"
+    cost = COMPILE_COSTS.get((family, method, bool(training.gradient_checkpointing)))
+    if (not training.torch_compile or cost is None or "torch_compile" in run.flags or run.finetune.fp8
+            or _compiled_here_before(family, method, training.gradient_checkpointing)):
+        return
+    tokens_per_step = training.per_device_train_batch_size * training.gradient_accumulation_steps * \
+        (training.max_length or 1024)
+    steps = training.max_steps if training.max_steps > 0 else math.ceil(
+        math.ceil(rows / (training.per_device_train_batch_size * max(run.launch.world_size, 1)))
+        / training.gradient_accumulation_steps * training.num_train_epochs)
+    saved_per_step = tokens_per_step * (1 / cost.eager_tokens_per_s - 1 / cost.compiled_tokens_per_s)
+    if steps * saved_per_step >= cost.compile_seconds:
+        return
+    training.torch_compile, training.torch_compile_backend, training.torch_compile_mode = False, None, None
+    os.environ[DYNAMO_BACKEND_ENV] = "NO"  # what TrainingArguments exported for the compiled run
+    os.environ.pop(REGIONAL_COMPILATION_ENV, None)
+    os.environ.pop(DYNAMIC_SHAPES_ENV, None)
+    say(f"running eager: compiling would not pay for itself in {steps} steps (each of up to {tokens_per_step:,} "
+        f"tokens saves about {saved_per_step:.2f} s, against ~{cost.compile_seconds:.0f} s of compiling on a machine "
+        f"that has not compiled it before; {cost.measured}); `--torch_compile true` compiles anyway.")
+
+
+def _compiled_here_before(family: str, method: str, checkpointing: bool) -> bool:
+    """Whether a compiled launch of this family and method reached its first step on this machine (CompileNotice's
+    record in the compile cache folder): its graphs are then in the caches."""
+    return any(key.split(" ")[0] == family.replace("-", "_") and f" {method}" in key
+               and (" checkpointed" in key) == bool(checkpointing)
+               for key in read_object(compile_cache() / FIRST_STEPS))
+
+
 def compile_per_layer(training) -> list[TrainerCallback]:
     """With checkpointing the compiler must go inside each layer's checkpoint: compiled around it, one graph break in
     the layer (GPT-OSS has some) makes dynamo run the whole checkpointed layer eagerly (pytorch#139989; GPT-OSS-20B on
