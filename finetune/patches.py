@@ -227,16 +227,21 @@ def _call_keeping_saved_tensors(compiled_call, function, *args):
         return compiled_call(function, *args)
 
 
+def decoder_layers(model) -> list:
+    """The model's decoder layers: transformers' `GradientCheckpointingLayer`s."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [module for module in model.modules() if isinstance(module, GradientCheckpointingLayer)]
+
+
 def compile_inside_checkpoints(model, compiled_call, offloading: bool = False) -> None:
     """Every checkpointed layer runs checkpoint(compiled(layer)) instead of compiled(checkpoint(layer)); one compiled
     function serves all layers, so the layer compiles once. With activation offloading only the checkpoint's inputs
     go to the CPU: the layer recomputed in backward keeps its tensors on the device until its gradients are done."""
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
     call = partial(_call_keeping_saved_tensors, compiled_call) if offloading else compiled_call
-    for module in model.modules():
+    for module in decoder_layers(model):
         checkpoint = getattr(module, "_gradient_checkpointing_func", None)
-        if isinstance(module, GradientCheckpointingLayer) and not _compiled_inside_checkpoint(module):
+        if not _compiled_inside_checkpoint(module):
             module._gradient_checkpointing_func = partial(_checkpoint_compiled, checkpoint, call)
 
 

@@ -79,3 +79,37 @@ def test_compiled_recipes_compile_once_for_rows_of_every_length(recipe, graphs, 
     assert built[STEPS // 2] == built[-1], f"graphs were still being built after step {STEPS // 2}: {built}"
     # where the compiling went, phase by phase, for the first step's wait (dynamo's tracing is always one)
     assert record["compile_seconds"].get("_compile.compile_inner", 0) > 0, record["compile_seconds"]
+
+
+def test_a_second_launch_loads_every_compiled_graph_from_the_cache(tmp_path, monkeypatch):
+    """Two launches of the tiny compiled LoRA recipe on one machine, compiled by inductor (its C++ backend on a CPU):
+    the second loads every graph from the compile cache folder and compiles none, by torch's own counters of its FX
+    graph and AOTAutograd caches (finetune_speed.json): Inductor misses none, and AOTAutograd loads every graph the
+    first launch stored and stores none. (Its remaining misses are the empty graphs dynamo leaves on each side of the
+    CPU attention's graph break, which carry no code, are never compiled by Inductor and never stored by torch.)
+    Each launch has a /tmp of its own: torch's default folder, had the cache folder been set after torch was
+    imported, would differ between them. About 90 s on an idle machine."""
+    from tests.helpers import launch_sft
+
+    for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("FINETUNE_COMPILE_CACHE", str(tmp_path / "compile-cache"))
+    write_chat_rows(tmp_path / "data", count=8)
+    caches = []
+    for launch in ("first", "second"):
+        (tmp_path / f"tmp-{launch}").mkdir()
+        monkeypatch.setenv("TMPDIR", str(tmp_path / f"tmp-{launch}"))
+        done = launch_sft("--config", str(ROOT / "recipes" / "llama-3.2-3b" / "lora.yaml"), "--tiny",
+                          "--dataset_name", str(tmp_path / "data"), "--max_length", "256", "--max_steps", "2",
+                          "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "1",
+                          "--torch_compile", "true", "--eval_strategy", "no", "--save_strategy", "no",
+                          "--eval_samples_before_after", "0", "--output_dir", str(tmp_path / launch))
+        assert done.returncode == 0, done.stderr[-3000:]
+        caches.append(json.loads((tmp_path / launch / "finetune_speed.json").read_text())["compile_caches"])
+    first, second = caches
+    assert first["fxgraph_cache_miss"] > 0 and first["autograd_cache_miss"] > 0, first
+    assert second["fxgraph_cache_miss"] == 0 and second["fxgraph_cache_hit"] >= first["fxgraph_cache_miss"], second
+    assert first["autograd_cache_saved"] > 0 and second["autograd_cache_saved"] == 0, (first, second)
+    assert second["autograd_cache_hit"] == first["autograd_cache_saved"], (first, second)
+    assert not first["autograd_cache_bypass"] and not second["fxgraph_cache_bypass"], (first, second)
+    assert (tmp_path / "compile-cache" / "inductor").is_dir()

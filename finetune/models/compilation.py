@@ -34,30 +34,17 @@ from finetune.json_files import read_object
 DYNAMO_BACKEND_ENV = "ACCELERATE_DYNAMO_BACKEND"
 
 
-REGIONAL_COMPILATION_ENV = "ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION"
-
-
-DYNAMIC_SHAPES_ENV = "ACCELERATE_DYNAMO_USE_DYNAMIC"
 FIRST_STEPS = "first_steps.json"  # seconds from training's start to the first step, per model, method and GPU
 
 
 def prepare_process(training, cache_folder: str | None = None) -> None:
-    """Before the Trainer builds its Accelerator: without checkpointing accelerate compiles each decoder layer
-    (regional compilation), with dynamic shapes. `accelerate launch` exports its dynamo defaults to every process
-    (backend NO, regional compilation False), which would make `torch_compile: true` compile the whole model, TRL's
-    fused loss and its Triton launches included, once per row length (Llama-3.2-3B LoRA on an H200: no step in 170
-    s); so they are replaced unless the accelerate config file asked for a dynamo backend of its own, whose
-    dynamo_config then decides. The compile caches are where `finetune` put them when it was imported
+    """Before anything compiles: the compile caches are where `finetune` put them when it was imported
     (finetune/compile_cache.py), or in the run's `compile_cache_dir`; AOTAutograd's cache takes the graphs that hold
     this toolkit's autograd functions (patches.cache_graphs_with_custom_autograd_functions says why that is safe)."""
     if cache_folder:
         keep_compile_caches(cache_folder)
     if training.torch_compile:
         patches.cache_graphs_with_custom_autograd_functions()
-    if training.torch_compile and not training.gradient_checkpointing:
-        if os.environ.get(DYNAMO_BACKEND_ENV, "NO").upper() == "NO":
-            os.environ[REGIONAL_COMPILATION_ENV] = "true"
-            os.environ[DYNAMIC_SHAPES_ENV] = "true"
 
 
 @dataclass(frozen=True)
@@ -104,9 +91,6 @@ def compile_only_if_it_pays(run, family: str, rows: int) -> None:
     if steps * saved_per_step >= cost.compile_seconds:
         return
     training.torch_compile, training.torch_compile_backend, training.torch_compile_mode = False, None, None
-    os.environ[DYNAMO_BACKEND_ENV] = "NO"  # what TrainingArguments exported for the compiled run
-    os.environ.pop(REGIONAL_COMPILATION_ENV, None)
-    os.environ.pop(DYNAMIC_SHAPES_ENV, None)
     say(f"running eager: compiling would not pay for itself in {steps} steps (each of up to {tokens_per_step:,} "
         f"tokens saves about {saved_per_step:.2f} s, against ~{cost.compile_seconds:.0f} s of compiling on a machine "
         f"that has not compiled it before; {cost.measured}); `--torch_compile true` compiles anyway.")
@@ -121,20 +105,37 @@ def _compiled_here_before(family: str, method: str, checkpointing: bool) -> bool
 
 
 def compile_per_layer(training) -> list[TrainerCallback]:
-    """With checkpointing the compiler must go inside each layer's checkpoint: compiled around it, one graph break in
-    the layer (GPT-OSS has some) makes dynamo run the whole checkpointed layer eagerly (pytorch#139989; GPT-OSS-20B on
-    an H200: 9.5k tok/s instead of 17.8k). Then the Trainer compiles nothing and the returned callback does it.
-    Call before the trainer is built, and give it the returned callbacks: its accelerator reads the arguments then."""
-    if not training.torch_compile or not training.gradient_checkpointing:
-        return []  # prepare_process asked accelerate for regional compilation
-    inside = CompileInsideCheckpoints(training.torch_compile_backend, training.torch_compile_mode,
-                                      offloading=training.activation_offloading)
+    """Each decoder layer is compiled, once for all layers, and nothing else: the embeddings, the final norm, the
+    rotary embedding and the LM head gain nothing from it and each took a graph of its own under accelerate's regional
+    compilation (the embedding's never entered the compile caches: a second launch compiled it again). With
+    checkpointing the compiler goes inside each layer's checkpoint: compiled around it, one graph break in the layer
+    (GPT-OSS has some) makes dynamo run the whole checkpointed layer eagerly (pytorch#139989; GPT-OSS-20B on an H200:
+    9.5k tok/s instead of 17.8k). The Trainer then compiles nothing and the returned callback does it, unless the
+    accelerate config file asked for a dynamo backend of its own, whose dynamo_config then decides. Call before the
+    trainer is built, and give it the returned callbacks: its accelerator reads the arguments then."""
+    if not training.torch_compile or os.environ.get(DYNAMO_BACKEND_ENV, "NO").upper() != "NO":
+        return []
+    backend, mode = training.torch_compile_backend, training.torch_compile_mode
     training.torch_compile, training.torch_compile_backend, training.torch_compile_mode = False, None, None
-    return [inside]
+    if training.gradient_checkpointing:
+        return [CompileInsideCheckpoints(backend, mode, offloading=training.activation_offloading)]
+    return [CompileEachLayer(backend, mode)]
 
 
 def call(function, *args):
     return function(*args)
+
+
+class CompileEachLayer(TrainerCallback):
+    """Once the Trainer has prepared the model, each decoder layer is compiled in place with dynamic shapes (one
+    graph for every row length and every layer)."""
+
+    def __init__(self, backend: str | None, mode: str | None):
+        self.backend, self.mode = backend or "inductor", mode
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        for layer in patches.decoder_layers(model):
+            layer.compile(backend=self.backend, mode=self.mode, dynamic=True)
 
 
 class CompileInsideCheckpoints(TrainerCallback):

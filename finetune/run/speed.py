@@ -58,7 +58,8 @@ def compile_seconds() -> dict[str, float]:
 # torch's loggers that say why a compiled graph was not cached (finetune/patches.py: CompileCacheEvents)
 CACHE_LOGGERS = ("torch._inductor.codecache", "torch._functorch._aot_autograd.autograd_cache")
 CACHE_COUNTERS = {"inductor": ("fxgraph_cache_hit", "fxgraph_cache_miss", "fxgraph_cache_bypass"),
-                  "aot_autograd": ("autograd_cache_hit", "autograd_cache_miss", "autograd_cache_bypass")}
+                  "aot_autograd": ("autograd_cache_hit", "autograd_cache_miss", "autograd_cache_bypass",
+                                   "autograd_cache_saved")}
 
 
 class CompileCacheEvents(logging.Filter):
@@ -84,8 +85,9 @@ class CompileCacheEvents(logging.Filter):
 
 
 def compile_caches(events: CompileCacheEvents | None) -> dict:
-    """Graphs loaded from the compile caches (hit), compiled and stored (miss), and compiled without them (bypass),
-    by Inductor and by AOTAutograd, with the reasons torch gave for each bypass."""
+    """Graphs loaded from the compile caches (hit), not found there (miss; AOTAutograd stores only those Inductor
+    compiled: `saved`), and compiled without them (bypass), by Inductor and by AOTAutograd, with the reasons torch
+    gave for each bypass."""
     from torch._dynamo.utils import counters
 
     found = {name: counters[group][name] for group, names in CACHE_COUNTERS.items() for name in names}
