@@ -26,6 +26,7 @@ LORA = ROOT / "recipes" / "llama-3.2-1b" / "lora.yaml"
 FULL = ROOT / "recipes" / "llama-3.2-1b" / "full.yaml"
 TINY = ["--config", str(FULL), "--tiny"]
 QLORA = ROOT / "recipes" / "llama-3.2-3b" / "qlora.yaml"
+GPT_OSS = ROOT / "recipes" / "gpt-oss-20b" / "lora.yaml"
 
 
 def with_keys(base: Path, extra: str) -> str:
@@ -217,6 +218,22 @@ BAD_INPUTS = [
     ("LoRA target that matches no layer", lambda t: ["--config", str(LORA), "--tiny", "--lora_target_modules", "q_proj",
                                                       "v_prj"],
      ["command line (--lora_target_modules)", "`lora_target_modules` ['v_prj'] match no layer", "'v_proj'"]),
+    ("save_total_limit 0 (kept every checkpoint)", lambda t: [*TINY, "--save_total_limit", "0"],
+     ["command line (--save_total_limit)", "`save_total_limit: 0`", "--save_total_limit None"]),
+    ("one name of no layer as the LoRA target", lambda t: ["--config", str(LORA), "--tiny", "--lora_target_modules",
+                                                            "q_prj"],
+     ["command line (--lora_target_modules)", "['q_prj'] match no layer", "'q_proj'"]),
+    ("attention the family cannot use", lambda t: ["--config", str(GPT_OSS), "--tiny", "--attn_implementation",
+                                                   "torch_varlen"],
+     ["command line (--attn_implementation)", "attention sinks", "flex_attention"]),
+    ("mixture naming a missing file under --tiny", lambda t: ["--tiny", *recipe(t, with_keys(
+        FULL, f"dataset_mixture: {{datasets: [{{path: {ROOT / 'data' / 'sample' / 'train.jsonl'}}}, "
+              f"{{path: {t / 'gone.jsonl'}}}]}}"))],
+     ["gone.jsonl", "not found", "`dataset_mixture` entry of", "remove the entry"]),
+    ("one step under a warmup trains nothing", lambda t: [*data(t, [{"messages": good_turns()}] * 3),
+                                                          "--per_device_train_batch_size", "8", "--warmup_steps", "0.1",
+                                                          "--eval_strategy", "no"],
+     ["command line (--warmup_steps)", "trains nothing", "pass --warmup_steps 0"]),
     # --- dataset files
     ("bad JSON line", lambda t: data(t, [{"messages": good_turns()}, '{"messages": [oops\n']),
      ["rows.jsonl", "line 2 is not valid JSON", "fix or remove that line"]),
