@@ -139,15 +139,15 @@ def check_data_found(run, source: str) -> Iterator[UserError]:
 
 
 def check_trains_something(run, rows: int) -> None:
-    """Once the training rows are counted (before the model): a run of one optimizer step under a warmup trains that
-    step at learning rate 0, and would save an untrained model as if it had trained. (Packing only merges rows: a run
+    """Once the training rows are counted (before the model): a run whose rows make one optimizer step under a warmup
+    trains that step at learning rate 0, and would save an untrained model as if it had trained. (Packing only merges rows: a run
     that is one step unpacked is one step packed.)"""
     training = run.training
+    if training.max_steps > 0:  # a step count asked for (a smoke run's `--max_steps 1`): the warmup notice says it
+        return
     batches = math.ceil(rows / (training.per_device_train_batch_size * run.launch.world_size))
-    steps = training.max_steps if training.max_steps > 0 else math.ceil(
-        training.num_train_epochs * max(math.ceil(batches / training.gradient_accumulation_steps), 1))
-    warmup = training.get_warmup_steps(steps)
-    if steps == 1 and warmup >= 1:
+    steps = math.ceil(training.num_train_epochs * max(math.ceil(batches / training.gradient_accumulation_steps), 1))
+    if steps == 1 and training.get_warmup_steps(steps) >= 1:
         raise UserError(f"{run.source_of('warmup_steps')}: `warmup_steps: {training.warmup_steps}` warms up over the "
                         f"run's only optimizer step ({rows} training rows in batches of "
                         f"{training.per_device_train_batch_size} × {training.gradient_accumulation_steps} accumulation "
@@ -280,8 +280,8 @@ def check_mxfp4(run, source: str) -> Iterator[UserError]:
         kernel = run.finetune.expert_lora_kernel
         if kernel != "grouped" and run.model.lora_target_parameters:
             yield UserError(f"{run.source_of('expert_lora_kernel')}: `expert_lora_kernel: {kernel}` adds B·A to the "
-                            f"expert weights, which `dequantize_mxfp4: false` ({run.source_of('dequantize_mxfp4')}) "
-                            f"keeps packed in MXFP4; use `expert_lora_kernel: grouped` or `dequantize_mxfp4: true`.")
+                            f"expert weights, which `dequantize_mxfp4: false` keeps packed in MXFP4 (set in "
+                            f"{run.source_of('dequantize_mxfp4')}); use `expert_lora_kernel: grouped` or `dequantize_mxfp4: true`.")
     if run.model.load_in_4bit or run.model.load_in_8bit:
         flag = "load_in_4bit" if run.model.load_in_4bit else "load_in_8bit"
         yield UserError(
