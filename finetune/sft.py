@@ -37,11 +37,12 @@ def prepare(argv: list[str] | None = None):
         run_folder.take_lock(run.training.output_dir)
     try:
         model_path = model_folder.resolve_model_path(run)
+        model_folder.check_layers(run, model_path)
         tokenizer = model.load_tokenizer(model_path, run.training.assistant_only_loss)
-        model_folder.check_lora_targets(run, model_path)
         train_set, eval_set = data.load_datasets(run.script, run.training, None if run.finetune.truncation else tokenizer,
                                                  run.finetune, record=run.data_sources, tokenizer=tokenizer)
         relaunch.check_data_unchanged(run, train_set)
+        recipe_checks.check_trains_something(run, len(train_set))
         compilation.compile_only_if_it_pays(run, family_of(model_path).name, len(train_set))
         loaded = model.load_model(run, model_path)
         speed.mark("model_loaded")  # on the GPU where it loads there (quantized, MXFP4), else on the CPU

@@ -244,7 +244,7 @@ def assert_same_checkpoint(got: Path, want: Path) -> None:
 def reference(tmp_path_factory, processes: int, config: str = "ddp", env: dict | None = None) -> Path:
     tmp = tmp_path_factory.mktemp(f"reference-{processes}-{config}")
     output_dir = tmp / "out"
-    launch = Launch(tmp, processes, output_dir, "--save_total_limit", "0", config=config, env=env)
+    launch = Launch(tmp, processes, output_dir, "--save_total_limit", "None", config=config, env=env)
     assert launch.wait() == 0, launch.text()[-3000:]
     assert sorted(complete_checkpoints(output_dir)) == [3, 6, 9, 12]
     assert len(losses(output_dir)) == MAX_STEPS

@@ -26,6 +26,7 @@ LORA = ROOT / "recipes" / "llama-3.2-1b" / "lora.yaml"
 FULL = ROOT / "recipes" / "llama-3.2-1b" / "full.yaml"
 TINY = ["--config", str(FULL), "--tiny"]
 QLORA = ROOT / "recipes" / "llama-3.2-3b" / "qlora.yaml"
+GPT_OSS = ROOT / "recipes" / "gpt-oss-20b" / "lora.yaml"
 
 
 def with_keys(base: Path, extra: str) -> str:
@@ -145,7 +146,7 @@ BAD_INPUTS = [
     ("broken recipe YAML", lambda tmp: ["--config", str(write(tmp / "broken.yaml", "model_name_or_path: [a, b\n"))],
      ["broken.yaml", "not valid YAML", "line"]),
     ("activation budget above 1", lambda tmp: ["--config", str(FULL), "--tiny", "--activation_memory_budget", "1.5"],
-     ["full.yaml", "`activation_memory_budget: 1.5`", "at most 1"]),
+     ["command line (--activation_memory_budget)", "`activation_memory_budget: 1.5`", "at most 1"]),
     ("unknown command-line flag", lambda tmp: ["--config", str(FULL), "--tiny", "--learning_rat", "1"],
      ["command line", "--learning_rat", "spelling"]),
     ("missing dataset file", lambda tmp: ["--config", str(FULL), "--tiny", "--dataset_name", str(tmp / "gone.jsonl")],
@@ -194,20 +195,20 @@ BAD_INPUTS = [
     ("LoRA dropout on a full fine-tuning recipe", lambda t: ["--tiny", *recipe(t, FULL.read_text() + "\nlora_dropout: 0.1\n")],
      ["recipe.yaml", "`lora_dropout`", "use_peft: true"]),
     # --- numbers out of their range (each a traceback or a run that trained nothing before)
-    ("LoRA rank 0", lambda t: ["--config", str(LORA), "--tiny", "--lora_r", "0"], ["lora.yaml", "`lora_r: 0`", "at least 1"]),
-    ("LoRA alpha 0", lambda t: ["--config", str(LORA), "--tiny", "--lora_alpha", "0"], ["lora.yaml", "`lora_alpha: 0`", "above 0"]),
+    ("LoRA rank 0", lambda t: ["--config", str(LORA), "--tiny", "--lora_r", "0"], ["command line (--lora_r)", "`lora_r: 0`", "at least 1"]),
+    ("LoRA alpha 0", lambda t: ["--config", str(LORA), "--tiny", "--lora_alpha", "0"], ["command line (--lora_alpha)", "`lora_alpha: 0`", "above 0"]),
     ("LoRA dropout above 1", lambda t: ["--config", str(LORA), "--tiny", "--lora_dropout", "1.5"],
-     ["lora.yaml", "`lora_dropout: 1.5`", "below 1"]),
-    ("negative learning rate", lambda t: [*TINY, "--learning_rate=-1e-4"], ["full.yaml", "`learning_rate: -0.0001`", "above 0"]),
-    ("learning rate NaN", lambda t: [*TINY, "--learning_rate", "nan"], ["full.yaml", "`learning_rate: nan`", "finite"]),
-    ("max_length 0", lambda t: [*TINY, "--max_length", "0"], ["full.yaml", "`max_length: 0`", "at least 1"]),
-    ("max_length -1", lambda t: [*TINY, "--max_length", "-1"], ["full.yaml", "`max_length: -1`", "at least 1"]),
+     ["command line (--lora_dropout)", "`lora_dropout: 1.5`", "below 1"]),
+    ("negative learning rate", lambda t: [*TINY, "--learning_rate=-1e-4"], ["command line (--learning_rate)", "`learning_rate: -0.0001`", "above 0"]),
+    ("learning rate NaN", lambda t: [*TINY, "--learning_rate", "nan"], ["command line (--learning_rate)", "`learning_rate: nan`", "finite"]),
+    ("max_length 0", lambda t: [*TINY, "--max_length", "0"], ["command line (--max_length)", "`max_length: 0`", "at least 1"]),
+    ("max_length -1", lambda t: [*TINY, "--max_length", "-1"], ["command line (--max_length)", "`max_length: -1`", "at least 1"]),
     ("accumulation 0", lambda t: [*TINY, "--gradient_accumulation_steps", "0"],
-     ["full.yaml", "`gradient_accumulation_steps: 0`", "at least 1"]),
-    ("batch 0", lambda t: [*TINY, "--per_device_train_batch_size", "0"], ["full.yaml", "`per_device_train_batch_size: 0`"]),
+     ["command line (--gradient_accumulation_steps)", "`gradient_accumulation_steps: 0`", "at least 1"]),
+    ("batch 0", lambda t: [*TINY, "--per_device_train_batch_size", "0"], ["command line (--per_device_train_batch_size)", "`per_device_train_batch_size: 0`"]),
     ("negative epochs train nothing", lambda t: [*TINY, "--num_train_epochs", "-1"],
-     ["full.yaml", "`num_train_epochs: -1.0`", "trains nothing"]),
-    ("save_steps 0", lambda t: [*TINY, "--save_steps", "0"], ["full.yaml", "`save_steps: 0.0`", "above 0"]),
+     ["command line (--num_train_epochs)", "`num_train_epochs: -1.0`", "trains nothing"]),
+    ("save_steps 0", lambda t: [*TINY, "--save_steps", "0"], ["command line (--save_steps)", "`save_steps: 0.0`", "above 0"]),
     ("recipe key set twice", lambda t: ["--tiny", *recipe(t, FULL.read_text() + "\nlearning_rate: 1.0e-3\n")],
      ["recipe.yaml", "`learning_rate` is set twice", "keep one"]),
     ("recipe that is not UTF-8", lambda t: ["--config", str(write_bytes(t / "recipe.yaml", b"use_peft: true\n\xff: 1\n"))],
@@ -216,7 +217,23 @@ BAD_INPUTS = [
      ["afile/out", "cannot be created", "is a file"]),
     ("LoRA target that matches no layer", lambda t: ["--config", str(LORA), "--tiny", "--lora_target_modules", "q_proj",
                                                       "v_prj"],
-     ["lora.yaml", "`lora_target_modules` ['v_prj'] match no layer", "'v_proj'"]),
+     ["command line (--lora_target_modules)", "`lora_target_modules` ['v_prj'] match no layer", "'v_proj'"]),
+    ("save_total_limit 0 (kept every checkpoint)", lambda t: [*TINY, "--save_total_limit", "0"],
+     ["command line (--save_total_limit)", "`save_total_limit: 0`", "--save_total_limit None"]),
+    ("one name of no layer as the LoRA target", lambda t: ["--config", str(LORA), "--tiny", "--lora_target_modules",
+                                                            "q_prj"],
+     ["command line (--lora_target_modules)", "['q_prj'] match no layer", "'q_proj'"]),
+    ("attention the family cannot use", lambda t: ["--config", str(GPT_OSS), "--tiny", "--attn_implementation",
+                                                   "torch_varlen"],
+     ["command line (--attn_implementation)", "attention sinks", "flex_attention"]),
+    ("mixture naming a missing file under --tiny", lambda t: ["--tiny", *recipe(t, with_keys(
+        FULL, f"dataset_mixture: {{datasets: [{{path: {ROOT / 'data' / 'sample' / 'train.jsonl'}}}, "
+              f"{{path: {t / 'gone.jsonl'}}}]}}"))],
+     ["gone.jsonl", "not found", "`dataset_mixture` entry of", "remove the entry"]),
+    ("one step under a warmup trains nothing", lambda t: [*data(t, [{"messages": good_turns()}] * 3),
+                                                          "--per_device_train_batch_size", "8", "--warmup_steps", "0.1",
+                                                          "--eval_strategy", "no"],
+     ["command line (--warmup_steps)", "trains nothing", "pass --warmup_steps 0"]),
     # --- dataset files
     ("bad JSON line", lambda t: data(t, [{"messages": good_turns()}, '{"messages": [oops\n']),
      ["rows.jsonl", "line 2 is not valid JSON", "fix or remove that line"]),

@@ -3,7 +3,8 @@
 import pytest
 
 from finetune import cli
-from tests.helpers import ROOT
+from tests.helpers import ROOT, run_sft_in_process
+from tests.test_bad_inputs import with_keys
 from tests.test_families import LISTED, qwen_weights_folder
 
 RECIPE = ROOT / "recipes" / "llama-3.2-1b" / "lora.yaml"
@@ -76,3 +77,75 @@ def test_a_broken_launch_file_is_one_problem(tmp_path, capsys):
     code, errors, _ = checked(capsys, "--config_file", str(broken), "--config", str(RECIPE), "--tiny")
     assert code == 2
     assert errors == [error for error in errors if "broken.yaml: not valid YAML" in error] and errors
+
+
+# One problem each, of every stage a run meets before loading: the parse (unknown key, wrong type, unknown flag, a number
+# the training arguments refuse), the recipe checks, the output folder, the model's layers. (name, recipe lines, flags)
+BROKEN = [
+    ("unknown key", "lerning_rate: 0.1", []),
+    ("wrong type", "lora_r: sixteen", []),
+    ("unknown choice", "lr_scheduler_type: wiggly", []),
+    ("unknown flag", "", ["--learning_rat", "1"]),
+    ("number the arguments refuse", "", ["--save_steps", "inf"]),
+    ("number out of range", "weight_decay: -1", []),
+    ("second number out of range", "lora_dropout: 1.5", []),
+    ("save_total_limit 0", "save_total_limit: 0", []),
+    ("expert LoRA without experts", "lora_target_parameters: [mlp.experts.down_proj]", []),
+    ("unknown report_to", "report_to: wandbx", []),
+    ("optimizer not installed", "", ["--optim", "lomo"]),  # the same check as report_to's: both found
+    ("missing mixture file", "dataset_mixture: {datasets: [{path: gone/rows.jsonl}]}", []),
+    ("resume from nothing", "", ["--resume_from_checkpoint", "nowhere/checkpoint-9"]),
+    ("LoRA target of no layer", "lora_target_modules: [q_proj, v_prj]", []),
+]
+
+
+def broken_arguments(tmp_path, cases) -> list[str]:
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(with_keys(RECIPE, "\n".join(lines for _, lines, _ in cases if lines)))
+    return ["--config", str(recipe), "--tiny", "--output_dir", str(tmp_path / "out"),
+            *[flag for _, _, flags in cases for flag in flags]]
+
+
+def check_finds(capfd, arguments) -> list[str]:
+    capfd.readouterr()
+    code = cli.main(["check", *arguments])
+    errors = [line for line in capfd.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert code == (2 if errors else 0)
+    return errors
+
+
+def launch_refuses(arguments, capfd, monkeypatch) -> str:
+    """What `scripts/sft.py` prints refusing these arguments, run in this process (loading a model fails the test)."""
+    result = run_sft_in_process(arguments, capfd, monkeypatch)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert result.returncode == 2 and len(errors) == 1, result.stderr[-2000:]
+    return errors[0]
+
+
+@pytest.mark.parametrize("case", BROKEN, ids=[case[0] for case in BROKEN])
+def test_check_and_the_launch_give_the_same_verdict_on_each_broken_recipe(case, tmp_path, capfd, monkeypatch):
+    arguments = broken_arguments(tmp_path, [case])
+    assert check_finds(capfd, arguments) == [launch_refuses(arguments, capfd, monkeypatch)]
+
+
+def test_check_lists_every_problem_of_a_recipe_at_once_and_the_launch_refuses_the_first(tmp_path, capfd, monkeypatch):
+    """Each problem alone is what check finds in the recipe holding them all (an unknown key once hid every other
+    problem, and each check stopped at its first), in the order a run meets them."""
+    alone = []
+    for case in BROKEN:
+        alone += check_finds(capfd, broken_arguments(tmp_path, [case]))
+    arguments = broken_arguments(tmp_path, BROKEN)
+    together = check_finds(capfd, arguments)
+    assert sorted(together) == sorted(alone) and len(together) == len(BROKEN), together
+    assert launch_refuses(arguments, capfd, monkeypatch) == together[0]
+
+
+def test_one_lora_target_name_is_a_module_name_not_a_pattern_over_the_whole_name(tmp_path, capfd):
+    """TRL makes a one-name list that name alone, which peft matched as a pattern against `model.layers.0.self_attn.
+    q_proj`, failing after loading: the name is read as the list it was, and passes the check of the layers."""
+    from finetune.run.arguments import parse_args
+
+    arguments = ["--config", str(RECIPE), "--tiny", "--output_dir", str(tmp_path / "out"), "--lora_target_modules",
+                 "q_proj"]
+    assert parse_args(arguments).model.lora_target_modules == ["q_proj"]
+    assert check_finds(capfd, arguments) == []

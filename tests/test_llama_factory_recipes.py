@@ -159,3 +159,15 @@ def test_what_a_llama_factory_recipe_sets_and_cannot_be_read_is_refused_in_one_s
                                                                                       monkeypatch):
     check_bad_input(case, tmp_path, capfd, monkeypatch)
 
+
+
+@pytest.mark.parametrize("written, read", [
+    ({"train_on_prompt": "false"}, {"assistant_only_loss": True}),  # once: the prompts trained, the opposite
+    ({"train_on_prompt": "True"}, {"assistant_only_loss": False}),
+    ({"lora_target": ["q_proj", "v_proj"]}, {"lora_target_modules": ["q_proj", "v_proj"]}),  # once: "['q_proj'"
+    ({"lora_target": "q_proj, v_proj"}, {"lora_target_modules": ["q_proj", "v_proj"]}),
+    ({"lora_rank": "16"}, {"lora_r": 16, "lora_alpha": 32}),  # once: alpha left to TRL's 16
+])
+def test_quoted_booleans_numbers_and_yaml_lists_are_read_as_llama_factory_s_parser_reads_them(written, read):
+    values, _ = read_llama_factory_recipe({"finetuning_type": "lora", **written})
+    assert {key: values[key] for key in read} == read

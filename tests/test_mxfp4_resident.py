@@ -203,17 +203,28 @@ def test_resident_experts_trace_whole_under_torch_compile(mxfp4_folder):
                for actual, expected in zip(results[1], results[0], strict=True))
 
 
-def test_resident_experts_in_more_than_one_process_are_refused_before_loading(mxfp4_folder, tmp_path, monkeypatch):
+@pytest.mark.parametrize("strategy, processes, sentence", [
+    ("ddp", 2, "keeps the experts resident in MXFP4 in one process only, and accelerate.yaml launches 2 processes "
+               "(ddp); launch one process (`--num_processes 1` with accelerate_configs/ddp.yaml)"),
+    # one process under ZeRO-3 is one process already: "launch one process" would change nothing
+    ("zero3", 1, "keeps the experts resident in MXFP4 outside ZERO3's sharding, which accelerate.yaml asks for; launch "
+                 "without that file (accelerate_configs/ddp.yaml with `--num_processes 1`)"),
+])
+def test_resident_experts_under_a_launch_they_cannot_run_in_are_refused_naming_the_flag_and_a_fix_that_works(
+        strategy, processes, sentence, mxfp4_folder, tmp_path):
     from finetune.checks import recipe as recipe_checks
     from finetune.errors import UserError
     from finetune.run import arguments
 
     run = arguments.parse_args(["--config", "recipes/gpt-oss-20b/lora.yaml", "--model_name_or_path", str(mxfp4_folder),
-                             "--output_dir", str(tmp_path / "out"), "--dequantize_mxfp4", "false"])
-    run.launch = dataclasses.replace(run.launch, strategy="ddp", world_size=2)  # what a 2-process DDP launch reads
-    with pytest.raises(UserError, match="keeps the experts resident in MXFP4 in one process only, and this launch "
-                                        "runs ddp"):
+                                "--output_dir", str(tmp_path / "out"), "--dequantize_mxfp4", "false"])
+    run.launch = dataclasses.replace(run.launch, strategy=strategy, world_size=processes, config_file="accelerate.yaml")
+    with pytest.raises(UserError) as refused:
         recipe_checks.check(run)
+    assert str(refused.value).startswith("command line (--dequantize_mxfp4): `dequantize_mxfp4: false`"), refused.value
+    assert sentence in str(refused.value), refused.value
+    run.launch = dataclasses.replace(run.launch, strategy="single", world_size=1)  # the fix followed
+    recipe_checks.check(run)
 
 
 def test_a_trained_adapter_generates_the_same_with_its_experts_resident_as_dequantized(mxfp4_folder, tmp_path,

@@ -11,8 +11,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from finetune import families, patches, run_folder
 from finetune.config.launch_request import ExportedLaunch
-from finetune.errors import UserError, say
-from finetune.models import tiny
+from finetune.errors import UserError, first_line, say
+from finetune.models import attention, tiny
 from finetune.run_folder import RUN_RECORD
 
 
@@ -212,13 +212,23 @@ def _adapter_weights_problem(folder: Path) -> str | None:
     return f"{folder}/{problem}; {REMAKE_ADAPTER}." if problem else None
 
 
-def _skeleton(model_path: str):
-    """The model's modules on the meta device (no weights, no memory), or None for a model that cannot be built so:
-    the checks reading it are then left to the load."""
+def _skeleton(model_path: str, attn_implementation: str | None = None):
+    """The model's modules on the meta device (no weights, no memory), built as from_pretrained would build them with
+    this attention implementation, or None for a model that cannot be built so: the checks reading it are then left to
+    the load. A ValueError is transformers' refusal of the attention implementation for this model."""
+    attention.register()
     try:
         config = AutoConfig.from_pretrained(model_path)
+    except Exception:
+        return None
+    chosen = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    try:
         with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(config)
+            return AutoModelForCausalLM.from_config(config, **chosen)
+    except ValueError:
+        if not chosen:
+            return None
+        raise
     except Exception:
         return None
 
@@ -242,19 +252,45 @@ def check_fsdp_wrap(model_path: str, name: str, launch: ExportedLaunch) -> None:
                         f"remove the field to wrap each decoder layer, as accelerate_configs/fsdp.yaml does.")
 
 
-def check_lora_targets(run, model_path: str) -> None:
+def check_layers(run, model_path: str) -> None:
+    """What the recipe asks of the model's layers, read from a skeleton on the meta device before loading: an
+    attention implementation it cannot use, LoRA target modules that match none of its layers."""
+    name = run.model.attn_implementation
+    where = run.source_of("attn_implementation")
+    try:  # a hub kernel's id ("org/name") would be fetched: left to the load
+        skeleton = _skeleton(model_path, None if name is None or "/" in name else name)
+    except ValueError as error:
+        raise UserError(f"{where}: `attn_implementation: {name}` cannot run {run.model.model_name_or_path} "
+                        f"({first_line(error).split('. ')[0]}); pick another attention (eager runs every model).") from None
+    if skeleton is None:  # peft's and the attention's own checks still run at load
+        return
+    if name == attention.VARLEN_ATTENTION:
+        needs = sorted({what for module in skeleton.modules() for what, has in (
+            ("sliding windows", getattr(module, "sliding_window", None)), ("attention sinks", hasattr(module, "sinks")))
+            if has})
+        if needs:
+            raise UserError(f"{where}: `attn_implementation: {name}` is plain causal attention, and "
+                            f"{run.model.model_name_or_path} has {' and '.join(needs)}; use `attn_implementation: "
+                            f"flex_attention` (or eager).")
+    check_lora_targets(run, skeleton)
+
+
+def check_lora_targets(run, skeleton) -> None:
     """LoRA target modules that match no layer of the model: refused before loading, naming the layers there are.
     peft adapts what matches and says nothing of a misspelled name beside a right one (or fails after loading when
-    none matches). The model's layers are read from a skeleton on the meta device."""
+    none matches). A single pattern is matched as peft matches it, against the whole module name."""
+    from peft.tuners.tuners_utils import match_target_against_key
+
     targets = run.model.lora_target_modules
-    if not run.model.use_peft or not targets or targets in ("all-linear", ["all-linear"]) or isinstance(targets, str):
-        return
-    skeleton = _skeleton(model_path)
-    if skeleton is None:  # peft's own check still runs at load
+    if not run.model.use_peft or not targets or targets in ("all-linear", ["all-linear"]):
         return
     names = [name for name, module in skeleton.named_modules() if isinstance(module, torch.nn.Linear)]
-    unmatched = [target for target in targets if not any(name == target or name.endswith("." + target) for name in names)]
+    if isinstance(targets, str):
+        unmatched = [] if any(match_target_against_key(targets, name) for name in names) else [targets]
+    else:
+        unmatched = [target for target in targets
+                     if not any(name == target or name.endswith("." + target) for name in names)]
     if unmatched:
         layers = sorted({name.rsplit(".", 1)[-1] for name in names})
-        raise UserError(f"{run.recipe_path or 'command line'}: `lora_target_modules` {unmatched} match no layer of "
+        raise UserError(f"{run.source_of('lora_target_modules')}: `lora_target_modules` {unmatched} match no layer of "
                         f"{run.model.model_name_or_path}; its linear layers are {layers} (or use all-linear).")

@@ -1,9 +1,10 @@
 """The recipe's checks before anything loads: every number and setting against what the run can do, the launch
-files against the recipe, the output folder against the run it would continue. `check(run)` runs them all and
-raises the first problem as one sentence naming the file, the field and the fix."""
+files against the recipe, the output folder against the run it would continue. `problems(run)` finds every problem,
+each one sentence naming the file, the field and the fix; `check(run)` raises the first, which is what a run reports."""
 
 import difflib
 import importlib.util
+import math
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,13 +25,23 @@ def check(run) -> None:
 
 
 def problems(run) -> Iterator[UserError]:
-    """The problems the checks that need no model find, one sentence each, check by check: a run stops at the first,
-    `finetune check` prints them all. A check that depends on an earlier one's answer (the output folder on the
-    resume checkpoint) stays inside that check."""
+    """The problems the checks that need no model find, one sentence each, check by check and within a check every
+    finding: a run stops at the first, `finetune check` prints them all. A check either raises its one problem or
+    yields each of its findings (and may raise after them); a finding that depends on an earlier one's answer (the
+    output folder on the resume checkpoint) stays behind it inside that check."""
     source = run.recipe_path or "command line"
     for one_check in RUN_CHECKS:
         try:
-            one_check(run, source)
+            yield from one_check(run, source) or ()
+        except UserError as problem:
+            yield problem
+
+
+def each_refusal(*calls) -> Iterator[UserError]:
+    """The refusal of each of these independent checks, `(function, *arguments)`, that has one."""
+    for function, *arguments in calls:
+        try:
+            function(*arguments)
         except UserError as problem:
             yield problem
 
@@ -43,30 +54,30 @@ def check_model_named(run, source: str) -> None:
         raise UserError(f"{name}: model folder not found; fix --model_name_or_path (a hub id or a local folder).")
 
 
-def check_peft_settings(run, source: str) -> None:
+def check_peft_settings(run, source: str) -> Iterator[UserError]:
     model = run.model
     if model.load_in_4bit and not model.use_peft:
-        raise UserError(f"{source}: `load_in_4bit: true` (QLoRA) trains 4-bit weights only through LoRA; add "
+        yield UserError(f"{source}: `load_in_4bit: true` (QLoRA) trains 4-bit weights only through LoRA; add "
                         f"`use_peft: true`.")
     lora_keys = sorted(key for key in run.explicit_keys if key.startswith("lora_") or key in ("use_rslora", "use_dora"))
     if lora_keys and not model.use_peft:
-        raise UserError(
+        yield UserError(
             f"{source}: `{lora_keys[0]}` is set but `use_peft` is false, so it would be ignored; "
             f"add `use_peft: true` or drop the LoRA settings."
         )
 
 
-def check_quantization(run, source: str) -> None:
+def check_quantization(run, source: str) -> Iterator[UserError]:
     model = run.model
     if model.load_in_4bit and model.load_in_8bit:
-        raise UserError(f"{source}: `load_in_4bit` and `load_in_8bit` are both true; keep one of them.")
+        yield UserError(f"{source}: `load_in_4bit` and `load_in_8bit` are both true; keep one of them.")
     strategy, strategy_source = strategy_asked(run)
     if model.load_in_4bit and strategy in ("fsdp", "zero3"):
-        raise UserError(
+        yield UserError(
             f"{strategy_source}: QLoRA's 4-bit weights cannot be "
             f"sharded by {strategy.upper()} here; launch with accelerate_configs/ddp.yaml or zero2.yaml instead."
         )
-    check_mxfp4(run, source)
+    yield from check_mxfp4(run, source)
 
 
 def check_expert_targets(run, source: str) -> None:
@@ -84,29 +95,65 @@ def check_memory_settings(run, source: str) -> None:
                         "machine has no GPU; drop the flag here.")
 
 
-def check_number_ranges(run, source: str) -> None:
-    numbers.check_numbers(lambda key: run_value(run, key), source)
+def check_number_ranges(run, source: str) -> Iterator[UserError]:
+    yield from numbers.number_problems(lambda key: run_value(run, key), run.source_of).values()
 
 
 def check_attention_named(run, source: str) -> None:
-    check_attention(run.model, source)
+    check_attention(run.model, run.source_of("attn_implementation"))
 
 
-def check_packages(run, source: str) -> None:
-    check_optimizer_installed(run.training, source)
-    check_mlflow_installed(run.training, source)
-    check_report_to(run.training, source)
-    check_hub_push(run.training, source)
+def check_packages(run, source: str) -> Iterator[UserError]:
+    yield from each_refusal((check_optimizer_installed, run.training, source),
+                            (check_mlflow_installed, run.training, source), (check_report_to, run.training, source),
+                            (check_hub_push, run.training, source))
 
 
-def check_launch(run, source: str) -> None:
-    accelerate_checks.check_run(run)
-    check_deepspeed_agrees(run)
+def check_launch(run, source: str) -> Iterator[UserError]:
+    yield from each_refusal((accelerate_checks.check_run, run), (check_deepspeed_agrees, run))
 
 
 def check_relaunch(run, source: str) -> None:
     check_resume_checkpoint(run)
     check_output_dir(run)
+
+
+def check_data_found(run, source: str) -> Iterator[UserError]:
+    """A data file or folder the recipe names that is not there, before anything loads: under --tiny the sample would
+    otherwise stand in for it without a word, as for data from the hub. (A name that looks like a hub id is left to
+    the load.)"""
+    from finetune.data.load import looks_local
+
+    mixture = run.finetune.dataset_mixture
+    entries = mixture.get("datasets") if isinstance(mixture, dict) else None
+    for entry in entries if isinstance(entries, list) else []:
+        path = entry.get("path") or entry.get("id") if isinstance(entry, dict) else None
+        if isinstance(path, str) and looks_local(path) and not Path(path).expanduser().exists():
+            yield UserError(f"{path}: dataset file or folder not found (a `dataset_mixture` entry of "
+                            f"{run.source_of('dataset_mixture')}); fix that entry's `{'path' if 'path' in entry else 'id'}` "
+                            f"(a hub id, folder or file) or remove the entry.")
+    name = run.script.dataset_name
+    if not mixture and name and looks_local(name) and not Path(name).expanduser().exists():
+        fix = "--dataset_name" if "dataset_name" in run.flags else f"`dataset_name` in {source}"
+        yield UserError(f"{name}: dataset file or folder not found; fix {fix} (a hub id, folder or file).")
+
+
+def check_trains_something(run, rows: int) -> None:
+    """Once the training rows are counted (before the model): a run whose rows make one optimizer step under a warmup
+    trains that step at learning rate 0, and would save an untrained model as if it had trained. (Packing only merges rows: a run
+    that is one step unpacked is one step packed.)"""
+    training = run.training
+    if training.max_steps > 0:  # a step count asked for (a smoke run's `--max_steps 1`): the warmup notice says it
+        return
+    batches = math.ceil(rows / (training.per_device_train_batch_size * run.launch.world_size))
+    steps = math.ceil(training.num_train_epochs * max(math.ceil(batches / training.gradient_accumulation_steps), 1))
+    if steps == 1 and training.get_warmup_steps(steps) >= 1:
+        raise UserError(f"{run.source_of('warmup_steps')}: `warmup_steps: {training.warmup_steps}` warms up over the "
+                        f"run's only optimizer step ({rows} training rows in batches of "
+                        f"{training.per_device_train_batch_size} × {training.gradient_accumulation_steps} accumulation "
+                        f"× {run.launch.world_size} processes), which then trains at learning rate 0 and the run "
+                        f"trains nothing; pass --warmup_steps 0, or train more steps (more rows, a smaller "
+                        f"per_device_train_batch_size or more num_train_epochs).")
 
 
 def check_mlflow_installed(training, source: str) -> None:
@@ -210,29 +257,36 @@ def check_attention(model, source: str) -> None:
                     f"{', '.join(dict.fromkeys(known))} or a hub kernel's id (org/name).")
 
 
-def check_mxfp4(run, source: str) -> None:
+def check_mxfp4(run, source: str) -> Iterator[UserError]:
     """An MXFP4 checkpoint (the recipe's, which --tiny stands in for) trains dequantized to the training dtype, or
-    with its experts resident in MXFP4 in a single process through the grouped expert LoRA."""
+    with its experts resident in MXFP4 in a single process through the grouped expert LoRA. Each refusal names the
+    file or flag each setting came from."""
     from finetune.models import mxfp4
 
     name = run.model.model_name_or_path
     if not mxfp4.is_mxfp4_checkpoint(name):
         return
+    resident = f"{run.source_of('dequantize_mxfp4')}: `dequantize_mxfp4: false`"
     if not run.finetune.dequantize_mxfp4:
-        strategy = run.launch.strategy
-        if strategy != "single":
-            raise UserError(f"{source}: `dequantize_mxfp4: false` keeps the experts resident in MXFP4 in one process "
-                            f"only, and this launch runs {strategy}; launch one process or set `dequantize_mxfp4: "
-                            f"true`.")
-        if run.finetune.expert_lora_kernel != "grouped" and run.model.lora_target_parameters:
-            raise UserError(f"{source}: `expert_lora_kernel: {run.finetune.expert_lora_kernel}` adds B·A to the expert "
-                            f"weights, which `dequantize_mxfp4: false` keeps packed in MXFP4; use `expert_lora_kernel: "
-                            f"grouped` or `dequantize_mxfp4: true`.")
+        strategy, launched_by = run.launch.strategy, run.launch.config_file
+        if strategy != "single" and run.launch.world_size > 1:
+            yield UserError(f"{resident} keeps the experts resident in MXFP4 in one process only, and {launched_by} "
+                            f"launches {run.launch.world_size} processes ({strategy}); launch one process (`--"
+                            f"num_processes 1` with accelerate_configs/ddp.yaml) or set `dequantize_mxfp4: true`.")
+        elif strategy != "single":
+            yield UserError(f"{resident} keeps the experts resident in MXFP4 outside {strategy.upper()}'s sharding, "
+                            f"which {launched_by} asks for; launch without that file (accelerate_configs/ddp.yaml "
+                            f"with `--num_processes 1`) or set `dequantize_mxfp4: true`.")
+        kernel = run.finetune.expert_lora_kernel
+        if kernel != "grouped" and run.model.lora_target_parameters:
+            yield UserError(f"{run.source_of('expert_lora_kernel')}: `expert_lora_kernel: {kernel}` adds B·A to the "
+                            f"expert weights, which `dequantize_mxfp4: false` keeps packed in MXFP4 (set in "
+                            f"{run.source_of('dequantize_mxfp4')}); use `expert_lora_kernel: grouped` or `dequantize_mxfp4: true`.")
     if run.model.load_in_4bit or run.model.load_in_8bit:
         flag = "load_in_4bit" if run.model.load_in_4bit else "load_in_8bit"
-        raise UserError(
-            f"{source}: `{flag}: true` asks bitsandbytes to quantize {name}, whose experts are already MXFP4 and "
-            f"load dequantized; remove {flag} (LoRA on the bf16 model is the GPT-OSS recipe)."
+        yield UserError(
+            f"{run.source_of(flag)}: `{flag}: true` asks bitsandbytes to quantize {name}, whose experts are already "
+            f"MXFP4 and load dequantized; remove {flag} (LoRA on the bf16 model is the GPT-OSS recipe)."
         )
 
 
@@ -348,6 +402,7 @@ RUN_CHECKS = (
     check_expert_targets,
     check_number_ranges,
     check_attention_named,
+    check_data_found,
     check_packages,
     check_chat_template,
     fp8.check,

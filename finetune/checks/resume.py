@@ -169,17 +169,18 @@ def check_relaunch(run, recorded: dict, checkpoint: Path, output_dir: Path) -> l
     if keep_global_batch(run, recorded, checkpoint, output_dir):  # what a step takes is kept: compared as before
         now["gradient_accumulation_steps"] = recorded["gradient_accumulation_steps"]
     fixed = _changes(recorded, now, [name for name in FIXED if name != "data_fingerprint"])
+    where, way_out = _whose(run, checkpoint, output_dir)
     if fixed:
         reasons = sorted({FIXED[name] for name, _, _ in fixed})
         raise UserError(
-            f"{output_dir}: this relaunch changes {_listed(fixed)}, which {checkpoint.name} cannot continue with (they "
-            f"change {' and '.join(reasons)}); relaunch with the values it was trained with, or pick a new "
-            f"--output_dir to train a new run."
+            f"{where}: this relaunch changes {_listed(fixed)}, which {checkpoint.name} cannot continue with (they "
+            f"change {' and '.join(reasons)}); relaunch with the values it was trained with, or {way_out} to train a "
+            f"new run."
         )
     schedule = _changes(recorded, now, SCHEDULE)
     if schedule and not run.finetune.resume_with_new_schedule:
         raise UserError(
-            f"{output_dir}: this relaunch changes {_listed(schedule)}, which resuming from {checkpoint.name} would "
+            f"{where}: this relaunch changes {_listed(schedule)}, which resuming from {checkpoint.name} would "
             f"silently ignore (the checkpoint's learning rate wins); add --resume_with_new_schedule true to apply it "
             f"from the resumed step, or relaunch with the old value."
         )
@@ -201,11 +202,12 @@ def keep_global_batch(run, recorded: dict, checkpoint: Path, output_dir: Path) -
         return False
     if (run.launch.strategy not in ("single", "ddp") or accumulation != run.training.gradient_accumulation_steps
             or (accumulation * before) % after):
+        where, way_out = _whose(run, checkpoint, output_dir)
         raise UserError(
-            f"{output_dir}: {checkpoint.name} was trained by {before} process(es) and this relaunch runs {after}, which "
+            f"{where}: {checkpoint.name} was trained by {before} process(es) and this relaunch runs {after}, which "
             f"it cannot continue with under {run.launch.strategy} with `gradient_accumulation_steps` "
             f"{run.training.gradient_accumulation_steps} (the global batch and the rows each step takes would change); "
-            f"relaunch with {before} processes, or pick a new --output_dir."
+            f"relaunch with {before} processes, or {way_out}."
         )
     run.training.gradient_accumulation_steps = accumulation * before // after
     say(f"resuming {checkpoint.name} of {before} process(es) with {after}: gradient_accumulation_steps {accumulation} "
@@ -219,11 +221,22 @@ def check_data_unchanged(run, recorded: dict, checkpoint: Path | None, output_di
     before = recorded.get("data_fingerprint")
     if checkpoint is None or before is None or before == run.data_fingerprint:
         return
+    where, way_out = _whose(run, checkpoint, output_dir)
     raise UserError(
-        f"{output_dir}: the training rows changed since {checkpoint.name} was saved ({before}, now "
-        f"{run.data_fingerprint}), so resuming would skip or repeat rows; relaunch with the same data, or pick a new "
-        f"--output_dir to train on the new rows."
+        f"{where}: the training rows changed since {checkpoint.name} was saved ({before}, now "
+        f"{run.data_fingerprint}), so resuming would skip or repeat rows; relaunch with the same data, or {way_out} "
+        f"to train on the new rows."
     )
+
+
+def _whose(run, checkpoint: Path, output_dir: Path) -> tuple[str, str]:
+    """Where a refusal to resume points, and the way out that trains a new run instead: a checkpoint named by
+    --resume_from_checkpoint (another run's, it may be) is left by dropping the flag, where a new --output_dir would
+    still resume it; the output folder's own checkpoint by a new --output_dir."""
+    asked = run.training.resume_from_checkpoint
+    if asked and str(asked).lower() not in ("true", "1", "yes"):
+        return f"{checkpoint} (--resume_from_checkpoint)", "drop --resume_from_checkpoint"
+    return str(output_dir), "pick a new --output_dir"
 
 
 class NothingLeftToTrain(Exception):

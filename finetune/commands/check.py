@@ -64,30 +64,32 @@ def training_process_environment(launch_arguments: list[str]) -> tuple[dict[str,
 
 
 def problems_before_loading(sft_arguments: list[str], processes: int) -> list[UserError]:
-    """What a run of these arguments would refuse before loading: the parse (which stops at its first problem), then
-    every check of the recipe, the launch and the output folder, then the model folder and the layers it names. The
-    parse sees one process (it sets up the training arguments' device); the checks see the launch's count."""
+    """What a run of these arguments would refuse before loading, in the order a run meets them (the first is the one
+    it reports): the parse's (every unknown key and flag, every value of the wrong type or out of range), then every
+    finding of the checks of the recipe, the launch and the output folder, then the model folder and the layers it
+    names. The parse sees one process (it sets up the training arguments' device); the checks see the launch's
+    count."""
     from finetune.config.launch_request import read_exported_launch
     from finetune.run import arguments
 
+    found = []
     try:
-        run = arguments.parse_args(sft_arguments)
-    except UserError as problem:
-        return [problem]
+        run = arguments.parse_args(sft_arguments, found=found)
+    except UserError as problem:  # one the parse cannot read past
+        return [*found, problem]
     with mock.patch.dict(os.environ, {"WORLD_SIZE": str(processes)}):
         run.launch = read_exported_launch()  # as each of the launch's processes reads it
-        return _collected_problems(run)
+        return _collected_problems(run, found)
 
 
-def _collected_problems(run) -> list[UserError]:
+def _collected_problems(run, found: list[UserError]) -> list[UserError]:
     from finetune.checks import model_folder
     from finetune.checks import recipe as recipe_checks
 
-    found = []
     try:
         found.extend(recipe_checks.problems(run))  # extended one by one: what was found stays if a check fails
         model_path = model_folder.resolve_model_path(run)
-        model_folder.check_lora_targets(run, model_path)
+        model_folder.check_layers(run, model_path)
     except UserError as problem:
         found.append(problem)
     except Exception:  # a check that cannot run past an earlier problem: that problem is the answer

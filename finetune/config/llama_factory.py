@@ -77,7 +77,7 @@ def read_llama_factory_recipe(recipe: dict) -> tuple[dict, list[str]]:
         values.pop("finetuning_type", None)
         give("use_peft", method == "lora", f"finetuning_type: {method}")
     if values.get("use_peft") is True:
-        give("lora_r", values.pop("lora_rank", 8), "lora_rank")
+        give("lora_r", _as_int(values.pop("lora_rank", 8)), "lora_rank")
         if isinstance(values["lora_r"], int):  # a value of another type is refused as `lora_r`'s
             give("lora_alpha", 2 * values["lora_r"], "lora_alpha", "twice the rank")
         give("lora_dropout", 0.0, "lora_dropout")
@@ -86,8 +86,9 @@ def read_llama_factory_recipe(recipe: dict) -> tuple[dict, list[str]]:
     else:
         left_out += [f"`{key}` (read for LoRA only)" for key in LORA_KEYS if values.pop(key, None) is not None]
     give("max_length", values.pop("cutoff_len", 2048), "cutoff_len", CUTOFF_CAVEAT)
-    train_on_prompt = values.pop("train_on_prompt", False)
-    give("assistant_only_loss", not train_on_prompt, f"train_on_prompt: {_written(train_on_prompt)}")
+    train_on_prompt = _as_bool(values.pop("train_on_prompt", False))
+    give("assistant_only_loss", not train_on_prompt if isinstance(train_on_prompt, bool) else train_on_prompt,
+         f"train_on_prompt: {_written(train_on_prompt)}")
     if values.get("stage") == "sft":
         left_out.append(f"`stage: {values.pop('stage')}`")
     if "template" in values:
@@ -106,10 +107,29 @@ def read_llama_factory_recipe(recipe: dict) -> tuple[dict, list[str]]:
 
 
 def _lora_targets(target) -> str | list[str]:
-    """LLaMA-Factory's comma-separated module names, or `all`: every linear layer but the output layer, as PEFT's
-    `all-linear`."""
-    names = [name.strip() for name in str(target).split(",")]
+    """LLaMA-Factory's module names, comma-separated or a YAML list (its `split_arg` leaves a list as it is), or
+    `all`: every linear layer but the output layer, as PEFT's `all-linear`."""
+    names = [str(name).strip() for name in target] if isinstance(target, list) else \
+        [name.strip() for name in str(target).split(",")]
     return "all-linear" if names == ["all"] else names
+
+
+# LLaMA-Factory reads its YAML values into its dataclasses, and a quoted one from its command line through transformers'
+# HfArgumentParser, whose `string_to_bool` reads these words (any other is refused there, and here as the key it is
+# read as)
+TRUE_WORDS, FALSE_WORDS = ("yes", "true", "t", "y", "1"), ("no", "false", "f", "n", "0")
+
+
+def _as_bool(value):
+    """A boolean written as a word (`"false"`) read as the word says, as HfArgumentParser reads it; else as it is."""
+    if isinstance(value, str) and value.strip().lower() in TRUE_WORDS + FALSE_WORDS:
+        return value.strip().lower() in TRUE_WORDS
+    return value
+
+
+def _as_int(value):
+    """A whole number written as text (`"16"`) read as the number, so that the rank its alpha doubles is a number."""
+    return int(value) if isinstance(value, str) and value.strip().isdigit() else value
 
 
 def _written(value) -> str:

@@ -59,8 +59,10 @@ RANGES = [
     ("save_steps", lambda value: value > 0, STEPS_SHARE),
     ("eval_steps", lambda value: value > 0, STEPS_SHARE),
     ("eval_delay", lambda value: value >= 0, "must be 0 or more"),
-    # 0 keeps every checkpoint, as accelerate's examples and transformers read it; below 0 transformers fails
-    ("save_total_limit", lambda value: value >= 0, "must be 0 (keep every checkpoint) or more"),
+    # transformers reads 0 as no limit, keeping every checkpoint of a recipe that meant to keep none; below 0 it fails
+    ("save_total_limit", lambda value: value >= 1,
+     "must be at least 1 (transformers reads 0 as no limit and keeps every checkpoint: write `save_total_limit: "
+     "null` or --save_total_limit None for that, `save_strategy: no` to save none)"),
     ("torch_empty_cache_steps", lambda value: value >= 1, AT_LEAST_ONE_OR_UNSET),
     ("seed", lambda value: 0 <= value < 2**32, SEED),
     ("data_seed", lambda value: 0 <= value < 2**32, SEED),
@@ -92,32 +94,51 @@ MAPPING_FIELDS = ("lr_scheduler_kwargs", "gradient_checkpointing_kwargs", "activ
                   "model_init_kwargs", "dataset_kwargs")
 
 
-def check_numbers(value_of: Callable[[str], object], source: str) -> None:
-    """Every number in its range, and the mapping fields given as mappings."""
-    check_ranges(value_of, source)
+# Where a key's value came from, for the message: one file or flag for all, or a function of the key
+Source = str | Callable[[str], str]
+
+
+def check_numbers(value_of: Callable[[str], object], source: Source) -> None:
+    """The first of `number_problems`, raised."""
+    for problem in number_problems(value_of, source).values():
+        raise problem
+
+
+def number_problems(value_of: Callable[[str], object], source: Source) -> dict[str, UserError]:
+    """Every number out of its range, and every mapping field not given as a mapping, by key."""
+    found = range_problems(value_of, source)
     for key in MAPPING_FIELDS:
         if isinstance(value_of(key), str):
-            raise UserError(f"{source}: `{key}: {value_of(key)}` must be a mapping, e.g. {{\"power\": 2}} (JSON on the "
-                            f"command line); fix `{key}` (a recipe key or --{key}).")
+            found[key] = UserError(f"{_where(source, key)}: `{key}: {value_of(key)}` must be a mapping, e.g. {{\"power\": 2}} (JSON "
+                                   f"on the command line); fix `{key}` (a recipe key or --{key}).")
+    return found
 
 
-def check_ranges(value_of: Callable[[str], object], source: str) -> None:
-    """Every number in its range (finite, for a float), in the order of RANGES."""
+def _where(source: Source, key: str) -> str:
+    return source if isinstance(source, str) else source(key)
+
+
+def range_problems(value_of: Callable[[str], object], source: Source) -> dict[str, UserError]:
+    """Every number out of its range (or not finite, for a float), by key, in the order of RANGES."""
     def number(key: str):
         value = value_of(key)
         return value if isinstance(value, int | float) and not isinstance(value, bool) else None
 
-    def refuse(key: str, meaning: str) -> None:
-        raise UserError(f"{source}: `{key}: {value_of(key)}` {meaning}; fix `{key}` (a recipe key or --{key}).")
+    def problem(key: str, meaning: str) -> UserError:
+        return UserError(f"{_where(source, key)}: `{key}: {value_of(key)}` {meaning}; fix `{key}` (a recipe key or --{key}).")
 
+    found = {}
     max_steps, epochs = number("max_steps"), number("num_train_epochs")
     if max_steps is not None and max_steps <= 0 and epochs is not None and epochs <= 0:
-        refuse("num_train_epochs", "trains nothing without a positive max_steps; give a number of epochs above 0 or "
-                                   "set max_steps")
+        found["num_train_epochs"] = problem("num_train_epochs", "trains nothing without a positive max_steps; give a "
+                                                                "number of epochs above 0 or set max_steps")
     ranges = RANGES + (LORA_RANGES if value_of("use_peft") else [])
     for key, in_range, meaning in ranges:
         value = number(key)
+        if key in found or value is None:
+            continue
         if isinstance(value, float) and not math.isfinite(value):
-            refuse(key, "must be a finite number")
-        if value is not None and not in_range(value):
-            refuse(key, meaning)
+            found[key] = problem(key, "must be a finite number")
+        elif not in_range(value):
+            found[key] = problem(key, meaning)
+    return found

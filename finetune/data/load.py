@@ -29,13 +29,13 @@ EVAL_FRACTION_WHEN_NO_TEST_SPLIT = 0.05
 NO_ROWS = "{name}: the file holds no rows; give a file with at least one row."
 
 
-def _looks_local(name: str) -> bool:
+def looks_local(name: str) -> bool:
     return Path(name).suffix in FILE_BUILDERS or name.startswith((".", "/", "~")) or Path(name).exists()
 
 
 def _load(name: str, config_name: str | None) -> DatasetDict:
     path = Path(name).expanduser()
-    if _looks_local(name) and not path.exists():
+    if looks_local(name) and not path.exists():
         raise UserError(f"{name}: dataset file or folder not found; fix --dataset_name (a hub id, folder or file).")
     if (path / "state.json").is_file():  # one split saved by save_to_disk, which load_dataset refuses to read
         try:

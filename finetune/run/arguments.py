@@ -12,6 +12,7 @@ import hashlib
 import itertools
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -27,6 +28,7 @@ from finetune.config import numbers
 from finetune.config.files import RENAMED_KEYS, read_foreign_keys, read_recipe, refuse_unknown_keys, shipped
 from finetune.config.launch_request import FSDP_V1_REFUSAL, ExportedLaunch, read_deepspeed_config, read_exported_launch
 from finetune.config.schema import CHECKPOINTING_NAMES
+from finetune.data.load import looks_local
 from finetune.errors import UserError, one_sentence, say
 from finetune.json_files import write_atomically
 from finetune.models import compilation, cpu
@@ -183,6 +185,7 @@ class RunConfig:
     finetune: FinetuneArguments
     recipe_path: str | None
     explicit_keys: set[str]
+    flags: set[str]  # the keys set on the command line (a flag wins over the recipe): where a setting came from
     env: dict[str, str] = field(default_factory=dict)
     data_sources: dict = field(default_factory=dict)  # rows taken from each dataset, filled when the data loads
     data_fingerprint: str | None = None  # the training rows' count and hash (finetune/checks/resume.py), once they load
@@ -191,7 +194,10 @@ class RunConfig:
     recorded_settings: dict = field(default_factory=dict)
     resumes_from: Path | None = None
     launch: ExportedLaunch = field(default_factory=read_exported_launch)  # what the launcher asked for, read once
-    flags: set[str] = field(default_factory=set)  # the keys set on the command line, not by the recipe
+
+    def source_of(self, key: str) -> str:
+        """Where a setting came from, for a message: its command-line flag when one was given, else the recipe."""
+        return f"command line (--{key})" if key in self.flags else self.recipe_path or "command line"
 
 
 def _flag_error(message: str):
@@ -210,11 +216,12 @@ def _parser() -> TrlParser:
 
 
 def _refuse_unknown_keys(parser: TrlParser, recipe: dict, recipe_path: str) -> None:
-    refuse_unknown_keys(recipe, {action.dest for action in patches.parser_actions(parser)}, recipe_path)
+    refuse_unknown_keys(recipe, _recipe_keys(parser), recipe_path)
 
 
-def _coerce_recipe_values(parser: TrlParser, recipe: dict, recipe_path: str) -> dict:
-    """Give each recipe value the type argparse would have given it on the command line.
+def _coerce_recipe_values(parser: TrlParser, recipe: dict, recipe_path: str, refuse) -> dict:
+    """Give each recipe value the type argparse would have given it on the command line; a value that cannot have it
+    is refused (`refuse`) and left out.
 
     TrlParser puts YAML values in as defaults untouched, so `learning_rate: 2e-5` (a string in YAML 1.1) or
     `lora_r: sixteen` would otherwise reach the trainer as strings and fail deep inside it, or not fail at all.
@@ -232,18 +239,19 @@ def _coerce_recipe_values(parser: TrlParser, recipe: dict, recipe_path: str) -> 
         try:
             if action.nargs in ("+", "*"):
                 values = value if isinstance(value, list) else [value]
-                coerced[key] = [action.type(str(item)) for item in values]
+                typed = [action.type(str(item)) for item in values]
             else:
-                coerced[key] = action.type(value if isinstance(value, str) else str(value))
+                typed = action.type(value if isinstance(value, str) else str(value))
         except (TypeError, ValueError, argparse.ArgumentTypeError):
             type_name = getattr(action.type, "__name__", str(action.type))
-            raise UserError(
-                f"{recipe_path}: `{key}: {value}` is not a valid {type_name}; give it a value of that type."
-            ) from None
-        if action.choices is not None and coerced[key] not in action.choices:
-            raise UserError(
-                f"{recipe_path}: `{key}: {value}` is not one of {sorted(map(str, action.choices))}; pick one of them."
-            )
+            refuse(UserError(f"{recipe_path}: `{key}: {value}` is not a valid {type_name}; give it a value of that "
+                             f"type."))
+            continue
+        if action.choices is not None and typed not in action.choices:
+            refuse(UserError(f"{recipe_path}: `{key}: {value}` is not one of {sorted(map(str, action.choices))}; pick "
+                             f"one of them."))
+            continue
+        coerced[key] = typed
     return coerced
 
 
@@ -265,13 +273,22 @@ def _flags_given(argv: list[str]) -> set[str]:
     return {arg[2:].split("=", 1)[0] for arg in argv if arg.startswith("--")}
 
 
-def parse_args(argv: list[str] | None = None) -> RunConfig:
+def parse_args(argv: list[str] | None = None, found: list[UserError] | None = None) -> RunConfig:
     """Parse the recipe and the command line into TRL's dataclasses and finetune's own arguments. Reads files and the
-    environment, writes nothing: `apply_to_process` is the step that changes the process."""
+    environment, writes nothing: `apply_to_process` is the step that changes the process.
+
+    A run stops at the first problem. Given `found` (`finetune check`), each problem that leaves the rest readable (an
+    unknown key or flag, a value of the wrong type or out of range) is added there instead, the setting left out, and
+    the parse goes on; one that does not is raised."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv:
         argv = list(DEFAULT_ARGS)
     parser = _parser()
+
+    def refuse(problem: UserError) -> None:
+        if found is None:
+            raise problem
+        found.append(problem)
 
     recipe_path, recipe, env = None, {}, {}
     if "--config" in argv:
@@ -286,20 +303,24 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
         parser.set_defaults(gradient_checkpointing=None, activation_checkpointing=SFTConfig.gradient_checkpointing)
     if recipe_path:
         recipe = read_foreign_keys(recipe, recipe_path)
-        _refuse_unknown_keys(parser, recipe, recipe_path)
-        recipe = _coerce_recipe_values(parser, recipe, recipe_path)
+        try:
+            _refuse_unknown_keys(parser, recipe, recipe_path)
+        except UserError as problem:
+            refuse(problem)
+            recipe = {key: value for key, value in recipe.items() if key in _recipe_keys(parser)}
+        recipe = _coerce_recipe_values(parser, recipe, recipe_path, refuse)
         env = {key: str(value) for key, value in (recipe.pop("env", None) or {}).items()}
         parser.set_defaults(**recipe)
     if cpu.on_cpu():
         given = _flags_given(argv)  # a flag on the command line still wins over the CPU's value
         parser.set_defaults(**cpu.cpu_overrides({key: value for key, value in recipe.items() if key not in given}))
 
-    unknown = [arg for arg in argv if arg.startswith("--") and arg[2:].split("=", 1)[0] not in _known_dests(parser)]
-    if unknown:
-        old_name = unknown[0][2:].split("=", 1)[0]
+    for flag in [arg for arg in argv if arg.startswith("--") and arg[2:].split("=", 1)[0] not in _known_dests(parser)]:
+        old_name = flag[2:].split("=", 1)[0]
         renamed = f" (now --{RENAMED_KEYS[old_name]})" if old_name in RENAMED_KEYS else ""
-        raise UserError(f"command line: unknown flag {unknown[0]}{renamed}; check its spelling with "
-                        f"`scripts/sft.py --help`.")
+        refuse(UserError(f"command line: unknown flag {flag}{renamed}; check its spelling with `scripts/sft.py "
+                         f"--help`."))
+        argv = _without_flag(argv, flag)
     # read once here, before TrainingArguments reads a DeepSpeed JSON and fails in its own words, and carried
     launch = read_exported_launch()
     accelerate_checks.check_transformers_strategy_arguments(_flags_given(argv), set(recipe), recipe_path)
@@ -308,31 +329,72 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
     values, _ = parser.parse_known_args(args=argv)  # as given, before the dataclasses' __post_init__ reads them
     if not launch.deepspeed_file and isinstance(values.deepspeed, str) and not values.deepspeed.lstrip().startswith("{"):
         read_deepspeed_config(values.deepspeed, recipe_path or "command line", field="`deepspeed`")  # likewise
-    try:
-        with cpu.cpu_environment() if cpu.on_cpu() else contextlib.nullcontext():
-            script, training, model, finetune = parser.parse_args_into_dataclasses(args=argv)
-    except SystemExit:
-        raise UserError("command line: a flag has a missing or invalid value; see the message above for "
-                        "which.") from None
-    except json.JSONDecodeError as error:  # a mapping field's JSON, read by the training arguments
-        raise UserError(f"{recipe_path or 'command line'}: {_field_with_bad_json(argv, recipe)} is not valid JSON "
-                        f"({error.msg}); write it as a JSON object, e.g. '{{\"key\": 1}}'.") from None
-    except (ValueError, OverflowError) as error:
-        source = recipe_path or "command line"
-        # the dataclasses' __post_init__ fails on some numbers out of range in its own words (`save_steps: inf`: an
-        # OverflowError); the ranges say which number and what to give (checks/recipe.py checks the built values)
-        numbers.check_ranges(lambda key: getattr(values, key, None), source)
-        raise UserError(f"{source}: {one_sentence(error)}") from None
+    script, training, model, finetune = _into_dataclasses(parser, argv, recipe, recipe_path, found)
     if model.lora_target_parameters == ["none"]:  # a list flag cannot be emptied on the command line
         model.lora_target_parameters = None
+    if isinstance(model.lora_target_modules, str) and re.fullmatch(r"[\w.]+", model.lora_target_modules) and \
+            model.lora_target_modules != "all-linear":
+        # TRL's ModelConfig makes a list of one name that name alone, which peft reads as a pattern for the whole
+        # module name (`q_proj` then matches no `model.layers.0.self_attn.q_proj`): the name is read as the list it was
+        model.lora_target_modules = [model.lora_target_modules]
     if finetune.chat_template and training.chat_template_path:
-        raise UserError(f"{recipe_path or 'command line'}: `chat_template` and `chat_template_path` both set the chat "
-                        f"template; keep one of them.")
+        refuse(UserError(f"{recipe_path or 'command line'}: `chat_template` and `chat_template_path` both set the chat "
+                         f"template; keep one of them."))
     _data_of_the_command_line(script, finetune, _flags_given(argv))
     if finetune.tiny:
         _scale_down_for_tiny(script, training, finetune, _flags_given(argv))
-    return RunConfig(script, training, model, finetune, recipe_path, set(recipe) | _flags_given(argv), env,
-                     launch=launch, flags=_flags_given(argv))
+    return RunConfig(script, training, model, finetune, recipe_path, set(recipe) | _flags_given(argv),
+                     _flags_given(argv), env, launch=launch)
+
+
+def _into_dataclasses(parser: TrlParser, argv: list[str], recipe: dict, recipe_path: str | None,
+                      found: list[UserError] | None) -> tuple:
+    """The parse into TRL's dataclasses and finetune's own. Their __post_init__ fails on some numbers out of range in
+    its own words (`save_steps: inf`: an OverflowError); the ranges say which number and what to give instead (the
+    other numbers are checked on the built values: checks/recipe.py). Given `found`, those numbers are added there
+    and left out, and the parse is tried again, so that the checks after the parse run too."""
+    source = recipe_path or "command line"
+    while True:
+        values, _ = parser.parse_known_args(args=argv)  # as given, before the dataclasses' __post_init__ reads them
+        try:
+            with cpu.cpu_environment() if cpu.on_cpu() else contextlib.nullcontext():
+                return parser.parse_args_into_dataclasses(args=argv)
+        except SystemExit:
+            raise UserError("command line: a flag has a missing or invalid value; see the message above for "
+                            "which.") from None
+        except json.JSONDecodeError as error:  # a mapping field's JSON, read by the training arguments
+            raise UserError(f"{source}: {_field_with_bad_json(argv, recipe)} is not valid JSON ({error.msg}); write "
+                            f"it as a JSON object, e.g. '{{\"key\": 1}}'.") from None
+        except (ValueError, OverflowError) as error:
+            given = _flags_given(argv)
+            out_of_range = numbers.range_problems(lambda key: getattr(values, key, None),
+                                                  lambda key: f"command line (--{key})" if key in given else source)
+            if found is None or not out_of_range:
+                raise next(iter(out_of_range.values()), UserError(f"{source}: {one_sentence(error)}")) from None
+            found.extend(out_of_range.values())
+            defaults = _parser()
+            parser.set_defaults(**{key: defaults.get_default(key) for key in out_of_range})
+            for key in out_of_range:
+                argv = _without_flag(argv, f"--{key}")
+
+
+def _without_flag(argv: list[str], flag: str) -> list[str]:
+    """The command line without `flag` (`--name` or `--name=value`) and the values that follow it."""
+    name = flag.split("=", 1)[0]
+    kept, skipping = [], False
+    for arg in argv:
+        if arg == flag or arg == name or arg.startswith(name + "="):
+            skipping = arg == name
+            continue
+        if skipping and not arg.startswith("--"):
+            continue
+        skipping = False
+        kept.append(arg)
+    return kept
+
+
+def _recipe_keys(parser: TrlParser) -> set[str]:
+    return {action.dest for action in patches.parser_actions(parser)} | {"env"}
 
 
 def apply_to_process(run: RunConfig) -> None:
@@ -412,10 +474,12 @@ def _mixture_paths(mixture) -> list[str] | None:
 
 
 def _local_data(script: ScriptArguments, finetune: FinetuneArguments) -> bool:
+    """Data that names a local file or folder, there or not (a missing one is refused: checks/recipe.py
+    check_data_found), rather than only hub datasets."""
     if finetune.dataset_mixture:
         paths = _mixture_paths(finetune.dataset_mixture)
-        return paths is None or all(Path(path).expanduser().exists() for path in paths)
-    return bool(script.dataset_name) and Path(script.dataset_name).expanduser().exists()
+        return paths is None or any(looks_local(path) for path in paths)
+    return bool(script.dataset_name) and looks_local(script.dataset_name)
 
 
 def _data_named(script: ScriptArguments, finetune: FinetuneArguments) -> str:
