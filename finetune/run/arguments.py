@@ -25,7 +25,13 @@ from finetune import patches
 from finetune.checks import launch as accelerate_checks
 from finetune.config import numbers
 from finetune.config.files import RENAMED_KEYS, read_foreign_keys, read_recipe, refuse_unknown_keys, shipped
-from finetune.config.launch_request import FSDP_V1_REFUSAL, ExportedLaunch, read_deepspeed_config, read_exported_launch
+from finetune.config.launch_request import (
+    FSDP_V1_REFUSAL,
+    ExportedLaunch,
+    deepspeed_config_to_train,
+    read_exported_launch,
+    with_deepspeed_argument,
+)
 from finetune.config.schema import CHECKPOINTING_NAMES
 from finetune.errors import UserError, one_sentence, say
 from finetune.json_files import write_atomically
@@ -299,8 +305,12 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
     if launch.strategy == "fsdp" and os.environ.get("FSDP_VERSION", "1") != "2":
         raise UserError(f"{launch.config_file}: {FSDP_V1_REFUSAL}")  # before the CPU shim builds FSDP1's plugin
     values, _ = parser.parse_known_args(args=argv)  # as given, before the dataclasses' __post_init__ reads them
-    if not launch.deepspeed_file and isinstance(values.deepspeed, str) and not values.deepspeed.lstrip().startswith("{"):
-        read_deepspeed_config(values.deepspeed, recipe_path or "command line", field="`deepspeed`")  # likewise
+    launch = with_deepspeed_argument(launch, _deepspeed_asked(values.deepspeed),
+                                     "command line" if "deepspeed" in _flags_given(argv) else recipe_path)
+    to_train = deepspeed_config_to_train(launch)
+    if to_train is not None:  # carried: the training arguments never read the JSON again
+        parser.set_defaults(deepspeed=to_train)
+        argv = _without_flag(argv, "deepspeed")
     try:
         with cpu.cpu_environment() if cpu.on_cpu() else contextlib.nullcontext():
             script, training, model, finetune = parser.parse_args_into_dataclasses(args=argv)
@@ -326,6 +336,29 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
         _scale_down_for_tiny(script, training, finetune, _flags_given(argv))
     return RunConfig(script, training, model, finetune, recipe_path, set(recipe) | _flags_given(argv), env,
                      launch=launch)
+
+
+def _deepspeed_asked(value):
+    """transformers' `deepspeed` as given: a path, a mapping, or a JSON object on the command line (read here as
+    transformers reads it; JSON that does not parse is left for the training arguments, whose error names it)."""
+    if isinstance(value, str) and value.lstrip().startswith("{"):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError:
+            return None
+    return value
+
+
+def _without_flag(argv: list[str], name: str) -> list[str]:
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == f"--{name}":
+            skip = True
+        elif not arg.startswith(f"--{name}="):
+            kept.append(arg)
+    return kept
 
 
 def apply_to_process(run: RunConfig) -> None:
