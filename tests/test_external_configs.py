@@ -256,7 +256,7 @@ def json_run(recipe_bf16: bool, compiled: bool = False):
     from finetune.config.launch_request import read_exported_launch
 
     return SimpleNamespace(training=training, recipe_path=str(ROOT / "recipes" / "llama-3.2-1b" / "full.yaml"),
-                           launch=read_exported_launch())
+                           recipe={"bf16": True}, launch=read_exported_launch())
 
 
 ACCELERATE_TEMPLATE_WORDS = [

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from finetune import patches
-from finetune.config.files import local_or_shipped, read_yaml_mapping
+from finetune.config.files import read_yaml_mapping
 from finetune.config.launch_request import (
     FIELDS_NOT_BESIDE_DEEPSPEED_FILE,
     accelerate_launch_arguments,
@@ -381,7 +381,7 @@ def asked_precision(run) -> str:
     training = run.training
     bf16, fp16 = bool(training.bf16), bool(training.fp16)
     if cpu.on_cpu() and not (bf16 or fp16):
-        written = read_yaml_mapping(local_or_shipped(run.recipe_path), "recipe", "") if run.recipe_path else {}
+        written = run.recipe  # as the parse read it: axolotl's `bf16: auto` is already true there
         fp16 = written.get("fp16") is True
         bf16 = written.get("bf16", not fp16) is True
     return "bf16" if bf16 else "fp16" if fp16 else "no"

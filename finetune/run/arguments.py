@@ -191,6 +191,7 @@ class RunConfig:
     recorded_settings: dict = field(default_factory=dict)
     resumes_from: Path | None = None
     launch: ExportedLaunch = field(default_factory=read_exported_launch)  # what the launcher asked for, read once
+    recipe: dict = field(default_factory=dict)  # the recipe's keys as read (in finetune's names), before CPU overrides
 
 
 def _flag_error(message: str):
@@ -335,7 +336,7 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
     if finetune.tiny:
         _scale_down_for_tiny(script, training, finetune, _flags_given(argv))
     return RunConfig(script, training, model, finetune, recipe_path, set(recipe) | _flags_given(argv), env,
-                     launch=launch)
+                     launch=launch, recipe=recipe)
 
 
 def _deepspeed_asked(value):
