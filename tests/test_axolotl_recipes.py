@@ -187,3 +187,17 @@ def test_an_axolotl_recipe_trains_on_tiny_with_its_settings(tmp_path):
     assert sorted(adapter["target_modules"]) == sorted(written["lora_target_modules"])
     trained_on = json.loads((output_dir / "finetune_data.json").read_text())["train"]
     assert list(trained_on) == [f"{SAMPLE} [train]"]
+
+
+def test_bf16_auto_is_one_value_for_the_recipe_and_the_launch_files_precision(tmp_path, monkeypatch):
+    """axolotl's `bf16: auto` is read as true; the launch file's `mixed_precision: bf16` (fsdp.yaml's) agrees with it on
+    a machine without a GPU too, where the check reads the recipe as the run read it, not the YAML's text again."""
+    from finetune.checks import launch as accelerate_checks
+    from tests.test_external_configs import launched_by_accelerate
+    from tests.helpers import ROOT
+
+    launched_by_accelerate(monkeypatch, ROOT / "accelerate_configs" / "ddp.yaml")
+    run = arguments.parse_args(["--config", str(AXOLOTL / "llama-3" / "lora-1b.yml"), "--tiny",
+                                "--output_dir", str(tmp_path / "out")])
+    assert accelerate_checks.asked_precision(run) == "bf16"
+    accelerate_checks.check_run(run)

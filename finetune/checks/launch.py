@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from finetune import patches
-from finetune.config.files import local_or_shipped, read_yaml_mapping
+from finetune.config.files import read_yaml_mapping
 from finetune.config.launch_request import (
     FIELDS_NOT_BESIDE_DEEPSPEED_FILE,
     accelerate_launch_arguments,
@@ -153,9 +153,10 @@ def request_of_this_process() -> LaunchRequest | None:
     return request_from_command(arguments, default_config_file)
 
 
-def check_request(request: LaunchRequest, processes: int) -> list[str]:
+def check_request(request: LaunchRequest, processes: int, check_json: bool = True) -> list[str]:
     """Refuse what this toolkit cannot run as the request asks, for `processes` processes in all; returns the notes
-    to print about fields that are ignored."""
+    to print about fields that are ignored. A training process leaves the DeepSpeed JSON (`check_json`) to the check
+    that compares the JSON it carries with the recipe (checks/recipe.py), which names all of its problems at once."""
     kind = request.distributed_type()
     if kind not in RUNNABLE_TYPES + ONE_PROCESS_TYPES:
         raise UserError(f"{request.source}: `distributed_type: {kind}` is not one this toolkit trains with (NVIDIA "
@@ -180,7 +181,8 @@ def check_request(request: LaunchRequest, processes: int) -> list[str]:
             beside.append("mixed_precision")
         if beside:
             raise fields_beside_deepspeed_file_refusal(request.source, deepspeed_file, beside)
-        check_deepspeed_json(read_deepspeed_config(deepspeed_file, request.source), deepspeed_file)
+        if check_json:
+            check_deepspeed_json(read_deepspeed_config(deepspeed_file, request.source), deepspeed_file)
     elif kind == "DEEPSPEED":
         _check_zero_stage(request.value("zero_stage"), request.written("zero_stage"), request.source)
     return notes
@@ -197,54 +199,79 @@ def _check_machines(request: LaunchRequest) -> None:
 
 
 def _check_zero_stage(stage, written: str, source: str) -> None:
+    problem = _zero_stage_problem(stage, written)
+    if problem:
+        raise UserError(f"{source}: {problem[0]}; {problem[1]}.")
+
+
+def _zero_stage_problem(stage, written: str) -> tuple[str, str] | None:
     if isinstance(stage, str) and stage.strip() in ("0", "1", "2", "3"):
-        raise UserError(f"{source}: {written} is text; write the number {stage.strip()} without quotes (DeepSpeed "
-                        f"reads either, but accelerate and transformers compare the stage with a number and would "
-                        f"not run that stage's loading and saving).")
+        return (f"{written} is text (DeepSpeed reads either, but accelerate and transformers compare the stage with a "
+                f"number and would not run that stage's loading and saving)",
+                f"write the number {stage.strip()} without quotes")
     if stage is not None and (isinstance(stage, bool) or stage not in (0, 1, 2, 3)):
-        raise UserError(f"{source}: {written} is no ZeRO stage (DeepSpeed has 0 to 3, and fails on another after the "
-                        f"model has loaded); use 2 or 3, as accelerate_configs/zero2.yaml and zero3.yaml do.")
+        return (f"{written} is no ZeRO stage (DeepSpeed has 0 to 3, and fails on another after the model has loaded)",
+                "use 2 or 3, as accelerate_configs/zero2.yaml and zero3.yaml do")
+    return None
 
 
 def check_deepspeed_json(values: dict, file: str) -> None:
-    """What a DeepSpeed JSON (read by read_deepspeed_config: an object with a zero_optimization object) asks for that
-    DeepSpeed would fail on after the model has loaded, or that this toolkit does not run (AutoTP's tensor
-    parallelism)."""
+    """Every problem of a DeepSpeed JSON (read by read_deepspeed_config) that DeepSpeed would fail on after the model
+    has loaded, or that this toolkit does not run, in one sentence (deepspeed_json_problems)."""
+    problems = deepspeed_json_problems(values)
+    if problems:
+        raise UserError(problems_sentence(file, problems))
+
+
+def problems_sentence(file: str, problems: list[tuple[str, str]]) -> str:
+    """Problems of one file in one sentence, in the words of its keys, each followed by its fix."""
+    if len(problems) == 1:
+        return f"{file}: {problems[0][0]}; {problems[0][1]}."
+    listed = "; ".join(f"({number}) {what}: {fix}" for number, (what, fix) in enumerate(problems, 1))
+    return f"{file}: {len(problems)} problems, each with its fix; {listed}."
+
+
+def deepspeed_json_problems(values: dict) -> list[tuple[str, str]]:
+    """What a DeepSpeed JSON (an object with a zero_optimization object) asks for that DeepSpeed would fail on after
+    the model has loaded, or that this toolkit does not run (AutoTP's tensor parallelism): every (problem, fix)."""
     zero = values["zero_optimization"]
-    _check_zero_stage(zero.get("stage"), f"`zero_optimization.stage: {json.dumps(zero.get('stage'))}`", file)
+    problems = [_zero_stage_problem(zero.get("stage"), f"`zero_optimization.stage: {json.dumps(zero.get('stage'))}`")]
     if "bfloat16" in values:
-        raise UserError(f"{file}: `bfloat16` is DeepSpeed's old name of the `bf16` block, which transformers fills "
-                        f"from the recipe only under its current name (an \"auto\" left there fails after loading); "
-                        f"rename it to `bf16`.")
-    _check_zero_fields(zero, file)
+        problems.append(("`bfloat16` is DeepSpeed's old name of the `bf16` block, which transformers fills from the "
+                         "recipe only under its current name (an \"auto\" left there fails after loading)",
+                         "rename it to `bf16`"))
+    problems += _zero_field_problems(zero)
     for offload in ("offload_optimizer", "offload_param"):
         if isinstance(zero.get(offload), dict) and zero[offload].get("device") == "nvme" and not _async_io_loads():
-            raise UserError(f"{file}: `zero_optimization.{offload}.device: nvme` needs DeepSpeed's async_io op, "
-                            f"which cannot load here (libaio missing: `apt install libaio-dev`, then reinstall "
-                            f"deepspeed); offload to `cpu` instead.")
+            problems.append((f"`zero_optimization.{offload}.device: nvme` needs DeepSpeed's async_io op, which cannot "
+                             f"load here (libaio missing: `apt install libaio-dev`, then reinstall deepspeed)",
+                             "offload to `cpu` instead"))
     tensor_parallel = values.get("tensor_parallel")
     size = tensor_parallel.get("autotp_size", 1) if isinstance(tensor_parallel, dict) else 1
     if not isinstance(size, int) or size > 1:
-        raise UserError(f"{file}: `tensor_parallel.autotp_size: {size}` asks for DeepSpeed's tensor parallelism "
-                        f"(AutoTP), which this toolkit does not run; remove the tensor_parallel block.")
+        problems.append((f"`tensor_parallel.autotp_size: {size}` asks for DeepSpeed's tensor parallelism (AutoTP), "
+                         f"which this toolkit does not run", "remove the tensor_parallel block"))
+    return [problem for problem in problems if problem]
 
 
-def _check_zero_fields(zero: dict, file: str) -> None:
+def _zero_field_problems(zero: dict) -> list[tuple[str, str]]:
     """`zero_optimization` read by DeepSpeed's own config model (its keys and their types), where DeepSpeed imports
     on this machine; DeepSpeed would otherwise refuse it only once the model is loaded."""
     try:
         from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
         from pydantic import ValidationError
     except ImportError:  # no DeepSpeed here: the launch fails on that itself
-        return
+        return []
     try:
         DeepSpeedZeroConfig(**zero)
     except ValidationError as error:
-        problem = error.errors()[0]
-        where = ".".join(str(part) for part in problem["loc"])
-        fix = "remove it or fix its spelling" if problem["type"] == "extra_forbidden" else "fix its value"
-        raise UserError(f"{file}: `zero_optimization.{where}` {problem['msg'].lower()} (DeepSpeed's config model); "
-                        f"{fix}.") from None
+        problems = []
+        for problem in error.errors():
+            where = ".".join(str(part) for part in problem["loc"])
+            fix = "remove it or fix its spelling" if problem["type"] == "extra_forbidden" else "fix its value"
+            problems.append((f"`zero_optimization.{where}` {problem['msg'].lower()} (DeepSpeed's config model)", fix))
+        return problems
+    return []
 
 
 def _async_io_loads() -> bool:
@@ -323,7 +350,7 @@ def check_run(run) -> None:
     request = request_of_this_process()
     if request is None:
         return
-    notes = check_request(request, launched_processes())
+    notes = check_request(request, launched_processes(), check_json=False)
     notes += _precision_contradiction(request, run)
     kind = request.distributed_type()
     if kind == "DEEPSPEED":
@@ -354,7 +381,7 @@ def asked_precision(run) -> str:
     training = run.training
     bf16, fp16 = bool(training.bf16), bool(training.fp16)
     if cpu.on_cpu() and not (bf16 or fp16):
-        written = read_yaml_mapping(local_or_shipped(run.recipe_path), "recipe", "") if run.recipe_path else {}
+        written = run.recipe  # as the parse read it: axolotl's `bf16: auto` is already true there
         fp16 = written.get("fp16") is True
         bf16 = written.get("bf16", not fp16) is True
     return "bf16" if bf16 else "fp16" if fp16 else "no"

@@ -4,6 +4,7 @@ each one sentence naming the file, the field and the fix; `check(run)` raises th
 
 import difflib
 import importlib.util
+import json
 import math
 import os
 from collections.abc import Iterator
@@ -13,8 +14,8 @@ from finetune.checks import launch as accelerate_checks
 from finetune.checks import model_folder
 from finetune.checks.relaunch import check_output_dir, check_resume_checkpoint
 from finetune.config import numbers
-from finetune.config.launch_request import read_deepspeed_config
-from finetune.errors import UserError, one_sentence
+from finetune.config.launch_request import blocks_giving_way
+from finetune.errors import UserError, one_sentence, say
 from finetune.models import cpu, fp8
 
 
@@ -304,48 +305,42 @@ DEEPSPEED_UNSET = {"gradient_accumulation_steps": 1}
 
 
 # A DeepSpeed JSON's own blocks, and the recipe key each would replace: transformers then builds DeepSpeed's optimizer
-# or schedule instead of the recipe's, without a word.
+# or schedule instead of the recipe's, without a word (an Adam/AdamW optimizer and any scheduler give way instead:
+# config/launch_request.blocks_giving_way).
 DEEPSPEED_BLOCKS = {"optimizer": "optim", "scheduler": "lr_scheduler_type"}
 
 
+# An Adam/AdamW optimizer block's values as transformers fills them (HfTrainerDeepSpeedConfig.trainer_config_process),
+# each from the recipe's keys
+OPTIMIZER_PARAMS = {"lr": ("learning_rate",), "betas": ("adam_beta1", "adam_beta2"), "eps": ("adam_epsilon",),
+                    "weight_decay": ("weight_decay",)}
+
+
 def deepspeed_config_asked(run) -> tuple[str, dict] | None:
-    """The DeepSpeed JSON the run asks for and where it is named, whichever way it arrives: an accelerate config's
-    deepspeed_config_file, or transformers' own `deepspeed` training argument (a flag or a recipe key: a file's path,
-    or the JSON itself as a mapping), which transformers reads without the launcher's checks."""
-    if run.launch.deepspeed_file:
-        return run.launch.deepspeed_file, run.launch.deepspeed_config
-    asked = run.training.deepspeed
-    if not asked:
+    """The DeepSpeed JSON the run trains with and where it is named, whichever way it arrives (an accelerate config's
+    deepspeed_config_file, or transformers' own `deepspeed`: a flag or a recipe key holding a path or the JSON), as
+    the launch read it once (config/launch_request.with_deepspeed_argument)."""
+    if run.launch.deepspeed_config is None:
         return None
-    source = run.recipe_path or "command line"
-    if isinstance(asked, dict):
-        if not isinstance(asked.get("zero_optimization"), dict):
-            raise UserError(f"{source}: `deepspeed` has no `zero_optimization` object, which accelerate requires; add "
-                            f"zero_optimization: {{stage: 2}} (or the stage you want) under it.")
-        return f"{source} (`deepspeed`)", asked
-    return asked, read_deepspeed_config(asked, source, field="`deepspeed`")
+    return run.launch.deepspeed_file, run.launch.deepspeed_config
 
 
 def strategy_asked(run) -> tuple[str, str]:
-    """What the launch asks for (fsdp, zero1-3, ddp or single) and the file or field that asks for it: transformers'
-    `deepspeed` training argument, when the launcher asks for no DeepSpeed of its own, else the accelerate config."""
-    asked = deepspeed_config_asked(run)
-    if asked and not run.launch.deepspeed_file:
-        return f"zero{asked[1]['zero_optimization'].get('stage', 0)}", asked[0]
-    return run.launch.strategy, run.launch.config_file
+    """What the launch asks for (fsdp, zero1-3, ddp or single) and the file or field that asks for it."""
+    return run.launch.strategy, run.launch.asked_by or run.launch.config_file
 
 
 def check_deepspeed_agrees(run) -> None:
-    """A DeepSpeed JSON, whichever way it arrives (deepspeed_config_asked), that asks for what this toolkit does not
-    run, hard-codes what the recipe decides (batch size, accumulation, clipping, bf16/fp16, which transformers compares
-    only once the model is loaded), or brings an optimizer or a schedule of its own: every contradiction at once, in
-    one sentence naming both values."""
+    """A DeepSpeed JSON, whichever way it arrives (deepspeed_config_asked), that asks for what DeepSpeed fails on or
+    this toolkit does not run, hard-codes what the recipe decides (batch size, accumulation, clipping, bf16/fp16, the
+    optimizer's values, which transformers compares only once the model is loaded), or brings an optimizer of its own:
+    every problem at once, in one sentence naming both values. An Adam/AdamW optimizer block and a scheduler block
+    give way to the recipe's, said in one line each."""
     asked = deepspeed_config_asked(run)
     if asked is None:
         return
     config_file, written = asked
-    if not run.launch.deepspeed_file:  # the launcher's JSON is checked with its request (checks/launch.py)
-        accelerate_checks.check_deepspeed_json(written, config_file)
+    structural = accelerate_checks.deepspeed_json_problems(written)
     deepspeed = {**DEEPSPEED_UNSET, **written}
     training = run.training
     values = [f"`{key}: {deepspeed[key]}`{'' if key in written else ' (left out: accelerate sets it)'} contradicts "
@@ -367,18 +362,61 @@ def check_deepspeed_agrees(run) -> None:
         else:
             values.append(f"`{dtype}.enabled: {enabled}` contradicts the recipe's "
                           f"{f'`{asked}: true`' if asked != 'no' else '`bf16: false`'}")
+    giving_way = blocks_giving_way(written)
+    values += _optimizer_contradictions(written, training) if "optimizer" in giving_way else []
     blocks = [f"its `{block}` block ({(deepspeed[block] or {}).get('type')}) would replace the recipe's "
-              f"`{key}: {getattr(getattr(training, key), 'value', getattr(training, key))}`"
-              for block, key in DEEPSPEED_BLOCKS.items() if block in deepspeed]
+              f"`{key}: {_value(getattr(training, key))}`"
+              for block, key in DEEPSPEED_BLOCKS.items() if block in deepspeed and block not in giving_way]
     compiling = deepspeed.get("compile") or {}
     if compiling and not compiling.get("disable", False) and not training.torch_compile:  # DeepSpeed compiles only then
         blocks.append(f"its `compile` block ({compiling.get('backend', 'inductor')}) is ignored by a run that is not "
                       f"compiled (`torch_compile: false`)")
-    if not values and not blocks:
+    if not values and not blocks and not structural:
+        _say_what_gives_way(run, config_file, written, giving_way)
         return
     fixes = ([f"set {'them' if len(values) > 1 else 'it'} to \"auto\""] if values else []) + (
         [f"delete {'those blocks' if len(blocks) > 1 else 'that block'}"] if blocks else [])
-    raise UserError(f"{config_file}: {_listed(values + blocks)}; {' and '.join(fixes)} so that the recipe decides.")
+    recipe_problems = [(_listed(values + blocks), f"{' and '.join(fixes)} so that the recipe decides")] \
+        if values or blocks else []
+    raise UserError(accelerate_checks.problems_sentence(config_file, structural + recipe_problems))
+
+
+def _value(setting):
+    return getattr(setting, "value", setting)
+
+
+def _optimizer_contradictions(written: dict, training) -> list[str]:
+    """An Adam/AdamW block's values that are neither "auto" nor the recipe's (transformers refuses them after loading)."""
+    params = (written["optimizer"].get("params") or {})
+    found = []
+    for name, recipe_keys in OPTIMIZER_PARAMS.items():
+        value, wanted = params.get(name, "auto"), [getattr(training, key) for key in recipe_keys]
+        agrees = value == "auto" or (isinstance(value, list) and len(value) == len(wanted) and all(
+            _deepspeed_value_is(one, other) for one, other in zip(value, wanted))) or \
+            (len(wanted) == 1 and _deepspeed_value_is(value, wanted[0]))
+        if not agrees:
+            shown = wanted[0] if len(wanted) == 1 else wanted
+            found.append(f"`optimizer.params.{name}: {json.dumps(value)}` contradicts the recipe's "
+                         f"`{' and '.join(recipe_keys)}: {shown}`")
+    return found
+
+
+def _say_what_gives_way(run, config_file: str, written: dict, giving_way: list[str]) -> None:
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
+    training = run.training
+    if "optimizer" in giving_way:
+        say(f"{config_file}: its `optimizer` block ({written['optimizer'].get('type')}) gives way to the recipe's "
+            f"`optim: {_value(training.optim)}` at the recipe's learning rate, betas, epsilon and weight decay"
+            f"{', as DeepSpeed CPU Adam under its optimizer offload' if _offloads_optimizer(written) else ''}")
+    if "scheduler" in giving_way:
+        say(f"{config_file}: its `scheduler` block ({written['scheduler'].get('type')}) gives way to the recipe's "
+            f"`lr_scheduler_type: {_value(training.lr_scheduler_type)}` with its warmup")
+
+
+def _offloads_optimizer(written: dict) -> bool:
+    offload = written["zero_optimization"].get("offload_optimizer")
+    return isinstance(offload, dict) and offload.get("device") in ("cpu", "nvme")
 
 
 def _deepspeed_value_is(value, wanted) -> bool:

@@ -69,7 +69,8 @@ def problems_before_loading(sft_arguments: list[str], processes: int) -> list[Us
     finding of the checks of the recipe, the launch and the output folder, then the model folder and the layers it
     names. The parse sees one process (it sets up the training arguments' device); the checks see the launch's
     count."""
-    from finetune.config.launch_request import read_exported_launch
+    from dataclasses import replace
+
     from finetune.run import arguments
 
     found = []
@@ -77,8 +78,8 @@ def problems_before_loading(sft_arguments: list[str], processes: int) -> list[Us
         run = arguments.parse_args(sft_arguments, found=found)
     except UserError as problem:  # one the parse cannot read past
         return [*found, problem]
+    run.launch = replace(run.launch, world_size=processes)  # as each of the launch's processes reads it
     with mock.patch.dict(os.environ, {"WORLD_SIZE": str(processes)}):
-        run.launch = read_exported_launch()  # as each of the launch's processes reads it
         return _collected_problems(run, found)
 
 

@@ -4,7 +4,7 @@ DeepSpeed and its JSON), and the strategy they name. Read without torch."""
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from finetune.config.files import local_or_shipped
@@ -139,6 +139,7 @@ class ExportedLaunch:
     deepspeed_config: dict | None  # that JSON, read once
     world_size: int
     fsdp_activation_checkpointing: bool  # the file asks accelerate to wrap each layer in a checkpoint
+    asked_by: str | None = None  # what picked the strategy (a file, or transformers' `deepspeed`); None: nothing did
 
 
 def read_exported_launch() -> ExportedLaunch:
@@ -156,5 +157,65 @@ def read_exported_launch() -> ExportedLaunch:
         strategy = f"zero{stage}"
     else:
         strategy = "ddp" if world_size > 1 else "single"
-    return ExportedLaunch(strategy, accelerate_config_file(), deepspeed_file, deepspeed_config, world_size,
-                          fsdp_activation_checkpointing_asked_for())
+    config_file = accelerate_config_file()
+    return ExportedLaunch(strategy, config_file, deepspeed_file, deepspeed_config, world_size,
+                          fsdp_activation_checkpointing_asked_for(),
+                          config_file if strategy not in ("ddp", "single") else None)
+
+
+def with_deepspeed_argument(launch: ExportedLaunch, asked: str | dict | None, source: str) -> ExportedLaunch:
+    """The launch once transformers' own `deepspeed` (the --deepspeed flag, or a recipe key holding a path or the JSON
+    itself, named by `source`) is taken into account, as transformers takes it: it decides where the launch asked for
+    no strategy of its own (torchrun, the `deepspeed` launcher, `accelerate launch` without a file or with a MULTI_GPU
+    one, which the Trainer turns into DeepSpeed), and is refused in one sentence where the accelerate config asks for
+    another one. Its JSON is read here, once, and carried."""
+    if not asked:
+        return launch
+    if isinstance(asked, dict):
+        written, named = asked, f"{source} (`deepspeed`)"
+        if not isinstance(written.get("zero_optimization"), dict):
+            raise UserError(f"{source}: `deepspeed` has no `zero_optimization` object, which accelerate requires; add "
+                            f"zero_optimization: {{stage: 2}} (or the stage you want) under it.")
+    else:
+        named = f"--deepspeed {asked}" if source == "command line" else f"{source}: `deepspeed: {asked}`"
+        if launch.deepspeed_file and Path(local_or_shipped(asked)).resolve() == \
+                Path(local_or_shipped(launch.deepspeed_file)).resolve():
+            return launch  # the same JSON both ways: the launch's, already read
+        written = read_deepspeed_config(asked, source, field="`deepspeed`")
+    stage = written["zero_optimization"].get("stage", 0)
+    if launch.asked_by is not None:
+        ours = f"`deepspeed_config_file: {launch.deepspeed_file}`" if launch.deepspeed_file else \
+            f"{launch.strategy.upper()}"
+        raise UserError(f"{launch.config_file}: asks for {ours} while {named} asks for ZeRO-{stage}, and one launch "
+                        f"trains with one of them; launch without --config_file (torchrun --nproc_per_node N "
+                        f"scripts/sft.py, or accelerate_configs/ddp.yaml) to train with {named}, or remove "
+                        f"{'--deepspeed' if source == 'command line' else f'`deepspeed` from {source}'} to train as "
+                        f"that file says.")
+    return replace(launch, strategy=f"zero{stage}", deepspeed_file=asked if isinstance(asked, str) else named,
+                   deepspeed_config=written, asked_by=named)
+
+
+# A DeepSpeed JSON's blocks that give way to the recipe: transformers would otherwise build DeepSpeed's optimizer or
+# schedule in place of the recipe's. An optimizer block gives way when it is DeepSpeed's Adam or AdamW (the recipe's
+# AdamW at the recipe's values: its own values are "auto" or checked to equal them); a scheduler block always.
+OPTIMIZERS_THAT_GIVE_WAY = ("adam", "adamw")
+
+
+def blocks_giving_way(config: dict) -> list[str]:
+    optimizer = config.get("optimizer")
+    giving_way = []
+    if isinstance(optimizer, dict) and str(optimizer.get("type", "")).lower() in OPTIMIZERS_THAT_GIVE_WAY:
+        giving_way.append("optimizer")
+    if "scheduler" in config:
+        giving_way.append("scheduler")
+    return giving_way
+
+
+def deepspeed_config_to_train(launch: ExportedLaunch) -> dict | None:
+    """The JSON the training arguments are given (transformers fills its "auto" values from them): the launch's,
+    read once, without the blocks that give way to the recipe."""
+    if launch.deepspeed_config is None:
+        return None
+    giving_way = blocks_giving_way(launch.deepspeed_config)
+    return {key: value for key, value in json.loads(json.dumps(launch.deepspeed_config)).items()
+            if key not in giving_way}

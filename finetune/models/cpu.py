@@ -90,3 +90,24 @@ FSDP_SHIM_ENV = "FINETUNE_CPU_FSDP"
 
 def fsdp_shim_enabled() -> bool:
     return fsdp_asked_for() and int(os.environ.get("WORLD_SIZE", "1")) > 1 and os.environ.get(FSDP_SHIM_ENV, "1") != "0"
+
+
+def deepspeed_on_the_process_group() -> None:
+    """DeepSpeed's communication set up on the gloo group the training arguments made, before the model loads: accelerate
+    does it only on GPUs, and ZeRO-3's loading (zero.Init) would otherwise see one process of the launch's N and refuse
+    the batch transformers filled in for N. A process that no launcher started is a group of one."""
+    import torch.distributed
+    from deepspeed import comm
+
+    if comm.is_initialized():
+        return
+    if torch.distributed.is_initialized():
+        comm.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+        return
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    comm.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                          world_size=1)

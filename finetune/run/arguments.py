@@ -26,7 +26,13 @@ from finetune import patches
 from finetune.checks import launch as accelerate_checks
 from finetune.config import numbers
 from finetune.config.files import RENAMED_KEYS, read_foreign_keys, read_recipe, refuse_unknown_keys, shipped
-from finetune.config.launch_request import FSDP_V1_REFUSAL, ExportedLaunch, read_deepspeed_config, read_exported_launch
+from finetune.config.launch_request import (
+    FSDP_V1_REFUSAL,
+    ExportedLaunch,
+    deepspeed_config_to_train,
+    read_exported_launch,
+    with_deepspeed_argument,
+)
 from finetune.config.schema import CHECKPOINTING_NAMES
 from finetune.data.load import looks_local
 from finetune.errors import UserError, one_sentence, say
@@ -194,6 +200,7 @@ class RunConfig:
     recorded_settings: dict = field(default_factory=dict)
     resumes_from: Path | None = None
     launch: ExportedLaunch = field(default_factory=read_exported_launch)  # what the launcher asked for, read once
+    recipe: dict = field(default_factory=dict)  # the recipe's keys as read (in finetune's names), before CPU overrides
 
     def source_of(self, key: str) -> str:
         """Where a setting came from, for a message: its command-line flag when one was given, else the recipe."""
@@ -327,8 +334,12 @@ def parse_args(argv: list[str] | None = None, found: list[UserError] | None = No
     if launch.strategy == "fsdp" and os.environ.get("FSDP_VERSION", "1") != "2":
         raise UserError(f"{launch.config_file}: {FSDP_V1_REFUSAL}")  # before the CPU shim builds FSDP1's plugin
     values, _ = parser.parse_known_args(args=argv)  # as given, before the dataclasses' __post_init__ reads them
-    if not launch.deepspeed_file and isinstance(values.deepspeed, str) and not values.deepspeed.lstrip().startswith("{"):
-        read_deepspeed_config(values.deepspeed, recipe_path or "command line", field="`deepspeed`")  # likewise
+    launch = with_deepspeed_argument(launch, _deepspeed_asked(values.deepspeed),
+                                     "command line" if "deepspeed" in _flags_given(argv) else recipe_path)
+    to_train = deepspeed_config_to_train(launch)
+    if to_train is not None:  # carried: the training arguments never read the JSON again
+        parser.set_defaults(deepspeed=to_train)
+        argv = _without_flag(argv, "--deepspeed")
     script, training, model, finetune = _into_dataclasses(parser, argv, recipe, recipe_path, found)
     if model.lora_target_parameters == ["none"]:  # a list flag cannot be emptied on the command line
         model.lora_target_parameters = None
@@ -344,7 +355,7 @@ def parse_args(argv: list[str] | None = None, found: list[UserError] | None = No
     if finetune.tiny:
         _scale_down_for_tiny(script, training, finetune, _flags_given(argv))
     return RunConfig(script, training, model, finetune, recipe_path, set(recipe) | _flags_given(argv),
-                     _flags_given(argv), env, launch=launch)
+                     _flags_given(argv), env, launch=launch, recipe=recipe)
 
 
 def _into_dataclasses(parser: TrlParser, argv: list[str], recipe: dict, recipe_path: str | None,
@@ -395,6 +406,17 @@ def _without_flag(argv: list[str], flag: str) -> list[str]:
 
 def _recipe_keys(parser: TrlParser) -> set[str]:
     return {action.dest for action in patches.parser_actions(parser)} | {"env"}
+
+
+def _deepspeed_asked(value):
+    """transformers' `deepspeed` as given: a path, a mapping, or a JSON object on the command line (read here as
+    transformers reads it; JSON that does not parse is left for the training arguments, whose error names it)."""
+    if isinstance(value, str) and value.lstrip().startswith("{"):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError:
+            return None
+    return value
 
 
 def apply_to_process(run: RunConfig) -> None:

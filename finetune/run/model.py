@@ -95,6 +95,8 @@ def load_mxfp4_resident(model_path: str, kwargs: dict) -> PreTrainedModel:
 def load_model(run: RunConfig, model_path: str) -> PreTrainedModel:
     if run.model.attn_implementation == attention.VARLEN_ATTENTION:
         attention.register()
+    if cpu.on_cpu() and run.training.deepspeed:
+        cpu.deepspeed_on_the_process_group()
     try:
         kwargs = model_init_kwargs(run, model_path)
         if mxfp4.is_mxfp4_checkpoint(model_path) and "quantization_config" not in kwargs:

@@ -139,12 +139,14 @@ class SetupCheck(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.setup = describe_setup(self.trainer)
+        self.setup["strategy_from"] = self.launch.asked_by or "nothing asked for one"
         if self.trainer.accelerator.is_main_process:
             say(f"setup: {json.dumps(self.setup)}")
         problem = setup_problem(self.setup, self.launch.strategy, self.launch.world_size)
         if problem:
             raise SetupMismatch(
-                f"{self.launch.config_file}: {problem}; fix distributed_type/num_processes in that file or launch with the "
+                f"{self.launch.asked_by or self.launch.config_file}: {problem}; fix distributed_type/num_processes in that "
+                f"file or launch with the "
                 f"config that matches what you want."
             )
         problem = checkpointing_problem(self.setup, self.launch)

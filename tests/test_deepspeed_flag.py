@@ -1,0 +1,182 @@
+"""transformers' `--deepspeed FILE` as transformers and LLaMA-Factory users pass it (issue 44): the DeepSpeed JSONs
+that transformers, LLaMA-Factory and DeepSpeed ship (tests/data/external/configs/README.md) train with DeepSpeed under
+a launch that asked for no strategy of its own (torchrun, `accelerate launch` with a MULTI_GPU file), or are refused
+in one sentence whose fix, applied literally, leaves nothing to refuse; an accelerate config asking for another
+strategy is refused naming both. Every JSON is checked in this process with the environment its launcher exports (the
+checks a run makes before loading); one real torchrun and one real `accelerate launch` train two CPU processes."""
+
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from finetune.commands.check import problems_before_loading, training_process_environment
+from tests.helpers import ACCELERATE, ROOT, free_port, printed_setup, write
+from tests.test_bad_inputs import FULL, TINY
+
+CONFIGS = ROOT / "tests" / "data" / "external" / "configs"
+TRANSFORMERS = CONFIGS / "transformers" / "tests" / "deepspeed"
+LLAMA_FACTORY = CONFIGS / "llama-factory" / "examples" / "deepspeed"
+DEEPSPEED = CONFIGS / "deepspeed" / "tests" / "torch_compile"
+SCRIPT = str(ROOT / "scripts" / "sft.py")
+DDP = str(ROOT / "accelerate_configs" / "ddp.yaml")
+
+# DeepSpeed's own test JSONs hard-code what the recipe decides (recipes/llama-3.2-1b/full.yaml on this machine: batch
+# 8, accumulation 2, learning rate 2e-5, betas 0.9/0.999, no decay, float32, two processes)
+HARD_CODED = ["`train_batch_size: 8` is not the recipe's per-device batch × accumulation × processes, 32",
+              "`gradient_accumulation_steps: 1` (left out: accelerate sets it)",
+              "`optimizer.params.lr: 0.001` contradicts the recipe's `learning_rate: 2e-05`",
+              "`optimizer.params.betas: [0.8, 0.999]` contradicts", "`optimizer.params.weight_decay: 3e-07`",
+              "`bf16.enabled: true` asks for bf16", "set them to \"auto\""]
+# (JSON, words of the refusal, or None: it trains as it is)
+SHIPPED_JSONS = [
+    *[(TRANSFORMERS / name, None) for name in ("ds_config_zero2.json", "ds_config_zero3.json")],
+    *[(LLAMA_FACTORY / f"ds_{name}_config.json", None) for name in ("z0", "z2", "z2_offload", "z3", "z3_offload")],
+    *[(DEEPSPEED / name, HARD_CODED) for name in ("ds_config_z2.json", "ds_config_z3.json")],
+]
+LAUNCHERS = ["torchrun", "accelerate launch"]
+
+
+def checked_as_launched(launcher: str, json_file: Path, tmp_path: Path, monkeypatch, extra=()) -> list[str]:
+    """The problems a training process of this two-process launch finds before loading, in this process: `accelerate
+    launch --config_file accelerate_configs/ddp.yaml --num_processes 2` exports what accelerate's own launcher code
+    makes; torchrun exports only its ranks."""
+    if launcher == "torchrun":
+        environment = {"RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(free_port())}
+    else:
+        environment, _ = training_process_environment(["--config_file", DDP, "--num_processes", "2", *extra, SCRIPT])
+    for name, value in {**environment, "WORLD_SIZE": "1"}.items():  # parsed as one process: no process group
+        monkeypatch.setenv(name, value)
+    found = problems_before_loading([*TINY, "--deepspeed", str(json_file), "--output_dir", str(tmp_path / "out")], 2)
+    return [str(problem) for problem in found]
+
+
+def fixed_literally(json_file: Path, refusal: str, tmp_path: Path) -> Path:
+    """The JSON with the refusal's fix applied as written: each key it names set to "auto"."""
+    values = json.loads(json_file.read_text())
+    for key in re.findall(r"`([\w.]+): ", refusal):
+        *parents, last = key.split(".")
+        node = values
+        for parent in parents:
+            node = node.setdefault(parent, {})
+        node[last] = "auto"
+    return write(tmp_path / json_file.name, json.dumps(values))
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+@pytest.mark.parametrize("json_file, refusal", SHIPPED_JSONS,
+                         ids=[str(case[0].relative_to(CONFIGS)) for case in SHIPPED_JSONS])
+def test_a_shipped_deepspeed_json_trains_as_the_flag_or_its_refusal_fixed_literally_does(json_file, refusal, launcher,
+                                                                                      tmp_path, monkeypatch, capfd):
+    found = checked_as_launched(launcher, json_file, tmp_path, monkeypatch)
+    if refusal is None:
+        assert found == [], found
+        return
+    assert len(found) == 1 and all(word in found[0] for word in refusal), found
+    assert found[0].startswith(f"{json_file}: ") and found[0].count("; ") == 1, found[0]
+    assert checked_as_launched(launcher, fixed_literally(json_file, found[0], tmp_path), tmp_path, monkeypatch) == []
+
+
+def test_blocks_that_would_change_the_recipes_optimizer_or_schedule_give_way_and_say_so(tmp_path, monkeypatch, capfd):
+    """transformers' own JSON: an AdamW block of "auto" values and a WarmupLR block; the training arguments are given
+    the JSON without them (read once: the file is not named to them), and each gives way in one line."""
+    from finetune.run import arguments
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    capfd.readouterr()
+    assert checked_as_launched("torchrun", TRANSFORMERS / "ds_config_zero2.json", tmp_path, monkeypatch) == []
+    printed = capfd.readouterr().out
+    assert "ds_config_zero2.json: its `optimizer` block (AdamW) gives way to the recipe's `optim: adamw_torch_fused` " \
+           "at the recipe's learning rate, betas, epsilon and weight decay, as DeepSpeed CPU Adam under its optimizer " \
+           "offload" in printed, printed
+    assert "its `scheduler` block (WarmupLR) gives way to the recipe's `lr_scheduler_type: cosine`" in printed
+    run = arguments.parse_args([*TINY, "--deepspeed", str(TRANSFORMERS / "ds_config_zero2.json"),
+                                "--output_dir", str(tmp_path / "out")])
+    assert isinstance(run.training.deepspeed, dict) and not {"optimizer", "scheduler"} & set(run.training.deepspeed)
+    assert (run.launch.strategy, run.launch.asked_by) == (
+        "zero2", f"--deepspeed {TRANSFORMERS / 'ds_config_zero2.json'}")
+
+
+def test_every_problem_of_a_deepspeed_json_is_named_at_once_each_with_its_fix(tmp_path, monkeypatch):
+    broken = write(tmp_path / "ds.json", json.dumps({
+        "zero_optimization": {"stage": "3", "overlap_com": True}, "bfloat16": {"enabled": "auto"},
+        "train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}}))
+    found = checked_as_launched("torchrun", broken, tmp_path, monkeypatch)
+    assert len(found) == 1, found
+    for words in ("4 problems, each with its fix", "`zero_optimization.stage: \"3\"` is text",
+                  "write the number 3 without quotes", "`zero_optimization.overlap_com` extra inputs are not permitted",
+                  "remove it or fix its spelling", "`bfloat16` is DeepSpeed's old name", "rename it to `bf16`",
+                  "`train_micro_batch_size_per_gpu: 4` contradicts the recipe's `per_device_train_batch_size: 8`",
+                  "its `optimizer` block (Lamb) would replace the recipe's `optim: adamw_torch_fused`",
+                  "delete that block"):
+        assert words in found[0], (words, found[0])
+
+
+# An accelerate config asking for a strategy of its own, beside --deepspeed: (name, accelerate launch flags, words)
+CONTRADICTIONS = [
+    ("FSDP file", ["--config_file", str(ROOT / "accelerate_configs" / "fsdp.yaml")],
+     ["fsdp.yaml: asks for FSDP while --deepspeed", "asks for ZeRO-3"]),
+    ("DeepSpeed file with another JSON", ["--config_file", str(ROOT / "accelerate_configs" / "zero2.yaml")],
+     ["zero2.yaml: asks for `deepspeed_config_file: ds_configs/zero2.json` while --deepspeed", "asks for ZeRO-3"]),
+]
+
+
+@pytest.mark.parametrize("name, flags, words", CONTRADICTIONS, ids=[case[0] for case in CONTRADICTIONS])
+def test_an_accelerate_config_asking_for_another_strategy_than_the_flag_is_refused_naming_both(name, flags, words,
+                                                                                             tmp_path, monkeypatch):
+    json_file = LLAMA_FACTORY / "ds_z3_config.json"
+    environment, _ = training_process_environment([*flags, "--num_processes", "2", SCRIPT])
+    for variable, value in {**environment, "WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(variable, value)
+    refused = problems_before_loading([*TINY, "--deepspeed", str(json_file), "--output_dir", str(tmp_path / "out")], 2)
+    assert len(refused) == 1 and all(word in str(refused[0]) for word in words), refused
+    assert "launch without --config_file" in str(refused[0]) and "or remove --deepspeed" in str(refused[0])
+    # either fix, followed literally, leaves nothing to refuse: the file without the flag, the flag without the file
+    assert problems_before_loading([*TINY, "--output_dir", str(tmp_path / "out")], 2) == []
+    for variable in environment:
+        monkeypatch.delenv(variable)
+    assert checked_as_launched("torchrun", json_file, tmp_path, monkeypatch) == []
+
+
+def trained(launcher: list[str], json_file: Path, output_dir: Path) -> str:
+    """A two-step run of the tiny recipe started by `launcher` with `--deepspeed JSON_FILE`: what it printed."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "finetune" / "torch_extensions"))
+    result = subprocess.run([*launcher, SCRIPT, *TINY, "--deepspeed", str(json_file), "--max_steps", "2",
+                             "--eval_strategy", "no", "--report_to", "none", "--eval_samples_before_after", "0",
+                             "--output_dir", str(output_dir)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=560, env=env, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (output_dir / "model.safetensors").is_file()
+    return result.stdout
+
+
+@pytest.mark.launches
+def test_torchrun_trains_llama_factorys_zero3_offload_json_as_the_flag_asks(tmp_path):
+    """The JSON that died in DeepSpeed's batch assertion: ZeRO-3, parameters and optimizer offloaded, under a launcher
+    that asks for no strategy; the setup line says zero3 and that --deepspeed asked for it."""
+    json_file = LLAMA_FACTORY / "ds_z3_offload_config.json"
+    torchrun = str(Path(ACCELERATE).with_name("torchrun"))
+    setup = printed_setup(trained([torchrun, "--nproc_per_node", "2", "--master_port", str(free_port())], json_file,
+                                  tmp_path / "out"))
+    assert (setup["world_size"], setup["strategy"], setup["strategy_from"]) == (2, "zero3", f"--deepspeed {json_file}")
+    assert setup["offload"] == {"optimizer": "cpu", "parameters": "cpu"}, setup
+
+
+@pytest.mark.launches
+def test_accelerate_launch_with_a_multi_gpu_file_trains_transformers_zero2_json_as_the_flag_asks(tmp_path):
+    """transformers' own ZeRO-2 JSON (optimizer offloaded, an AdamW and a WarmupLR block of "auto" values) under
+    `accelerate launch` with the DDP file, which asks for no strategy beyond data parallelism: the flag decides, the
+    two blocks give way to the recipe's in one line each, and the optimizer is DeepSpeed's CPU Adam."""
+    json_file = TRANSFORMERS / "ds_config_zero2.json"
+    printed = trained([ACCELERATE, "launch", "-q", "--config_file", DDP, "--num_processes", "2", "--main_process_port",
+                       str(free_port())], json_file, tmp_path / "out")
+    setup = printed_setup(printed)
+    assert (setup["world_size"], setup["strategy"], setup["strategy_from"]) == (2, "zero2", f"--deepspeed {json_file}")
+    assert (setup["optimizer"], setup["lr_schedule"], setup["offload"]) == (
+        "DeepSpeedCPUAdam", "cosine", {"optimizer": "cpu"}), setup
+    assert printed.count("gives way to the recipe's") == 2, printed
