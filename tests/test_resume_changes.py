@@ -5,10 +5,12 @@ learning rate and cadence and checks that they are applied."""
 
 import dataclasses
 import json
+import multiprocessing
 import os
 import re
 import shutil
 import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -185,6 +187,60 @@ def test_a_launch_into_a_folder_in_use_is_refused_naming_the_first_and_a_stale_l
     assert json.loads((output_dir / folder_files.LOCK).read_text())["pid"] == os.getpid()
     folder_files.release_lock(output_dir)
     assert not (output_dir / folder_files.LOCK).exists()
+
+
+def _take_lock_slowly(output_dir, slowed: str, delay: float, taken, done) -> None:
+    """take_lock in a process of its own with one step slowed by `delay` s: writing the lock's record ("write") or
+    judging whether its holder is gone ("judge"); it says what happened, then stays alive (a live holder) until told."""
+    import types
+
+    if slowed == "write":
+        def dumps(*args, **kwargs):
+            time.sleep(delay)
+            return json.dumps(*args, **kwargs)
+        folder_files.json = types.SimpleNamespace(dumps=dumps, loads=json.loads)
+    else:
+        alive = folder_files._alive
+        folder_files._alive = lambda *args: time.sleep(delay) or alive(*args)
+    try:
+        folder_files.take_lock(output_dir)
+        taken.put("took it")
+    except UserError as refused:
+        taken.put(str(refused))
+    done.wait(60)
+
+
+@pytest.mark.launches
+@pytest.mark.parametrize("slowed", ["write", "judge"])
+def test_launches_taking_the_lock_together_never_both_take_it(tmp_path, slowed):
+    output_dir = tmp_path / "out"
+    if slowed == "judge":  # both find a stale lock and take it over, the second judging it later than the first
+        output_dir.mkdir()
+        write(output_dir / folder_files.LOCK, json.dumps(
+            {"pid": os.getpid(), "host": socket.gethostname(), "launch": "a launch gone", "started": "0"}))
+    context = multiprocessing.get_context("fork")
+    taken, done = context.Queue(), context.Event()
+    launches = [context.Process(target=_take_lock_slowly, args=(output_dir, slowed, 0.3 + 0.4 * index, taken, done))
+                for index in range(2)]
+    for launch in launches:
+        launch.start()
+    outcomes = sorted(taken.get(timeout=60) for _ in launches)
+    done.set()
+    for launch in launches:
+        launch.join(30)
+    assert outcomes[1] == "took it" and "output_dir is in use by another launch" in outcomes[0], outcomes
+    holder = json.loads((output_dir / folder_files.LOCK).read_text())
+    assert holder["pid"] in {launch.pid for launch in launches}
+    assert sorted(path.name for path in output_dir.iterdir()) == [folder_files.LOCK]
+
+
+def test_an_empty_lock_is_refused_naming_it_not_taken_over(tmp_path):
+    output_dir = tmp_path / "out"
+    write(output_dir / folder_files.LOCK, "")
+    with pytest.raises(UserError) as refused:
+        folder_files.take_lock(output_dir)
+    assert str(refused.value).startswith(f"{output_dir / folder_files.LOCK}: this lock names no launch"), refused.value
+    assert (output_dir / folder_files.LOCK).read_text() == ""
 
 
 def with_adapter_config(checkpoint: Path, **settings) -> None:
