@@ -58,17 +58,32 @@ def checkpoint_folders(output_dir: str | Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def step_of(folder: Path) -> int | None:
+    """N of a `checkpoint-N` folder (None for a folder of another name)."""
+    match = CHECKPOINT_PATTERN.match(Path(folder).name)
+    return int(match.group(1)) if match else None
+
+
+def safetensors_header(path: Path) -> tuple[int, dict] | None:
+    """The header of a .safetensors file (each tensor's dtype, shape and data offsets) and its length, read without
+    the tensors; None when the file is shorter than its own header, OSError or ValueError when it cannot be read."""
+    with open(path, "rb") as handle:
+        header_length = int.from_bytes(handle.read(8), "little")
+        if path.stat().st_size < 8 or 8 + header_length > path.stat().st_size:
+            return None
+        return header_length, json.loads(handle.read(header_length))
+
+
 def safetensors_problem(path: Path) -> str | None:
     """Why a .safetensors file cannot be read whole (truncated, bad header), or None."""
     size = path.stat().st_size
     try:
-        with open(path, "rb") as handle:
-            header_length = int.from_bytes(handle.read(8), "little")
-            if size < 8 or 8 + header_length > size:
-                return f"{path.name} is truncated ({size} bytes, shorter than its own header)"
-            header = json.loads(handle.read(header_length))
-    except (OSError, ValueError, UnicodeDecodeError):
+        read = safetensors_header(path)
+    except (OSError, ValueError):
         return f"{path.name} has an unreadable header"
+    if read is None:
+        return f"{path.name} is truncated ({size} bytes, shorter than its own header)"
+    header_length, header = read
     data_end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"), default=0)
     expected = 8 + header_length + data_end
     if size < expected:
@@ -204,7 +219,7 @@ def rotate(output_dir: str | Path, save_total_limit: int | None, keep: set[Path]
     complete = [folder for _, folder in folders if checkpoint_problem(folder) is None]
     if not complete:
         return []
-    newest_step = int(CHECKPOINT_PATTERN.match(complete[-1].name).group(1))
+    newest_step = step_of(complete[-1])
     kept = set(complete[-save_total_limit:]) | {Path(path).resolve() for path in keep}
     deleted = []
     for step, folder in folders:
