@@ -86,4 +86,3 @@ def test_no_access_token_in_logs_saved_arguments_run_record_checkpoints_or_model
     assert {"training_args.bin", "trainer_state.json", "finetune_run.json", "README.md"} <= names, names
     for path in scanned:  # binary files too: a pickled TrainingArguments holds its strings as plain bytes
         assert FAKE_TOKEN.encode() not in path.read_bytes(), f"the access token leaked into {path}"
-
