@@ -180,12 +180,32 @@ says what to revisit and which test fails first.
   targets: torch 2.11 and 2.13 (`LambdaLR.get_lr` = base_lr * lr_lambda(last_epoch)).
   guarded by:
   test_preemption_single.py::test_a_resume_applies_a_new_learning_rate_when_asked_and_the_new_logging_cadence.
+- `weights_only_loads` (used by finetune/checks/resume.py `read_safely` around every resume, the relaunch check's
+  read of training_args.bin, and finetune/run/model.py `load_adapter`)
+  does: for its duration replaces `torch.load` with a call that passes `weights_only=True` whatever its caller asked
+  (DeepSpeed's checkpoint engine and torch DCP's `DefaultLoadPlanner.load_bytes` ask for False), and has torch DCP's
+  `FileSystemReader.read_metadata` (which unpickles `.metadata` with plain `pickle.load`, through the module's
+  `pickle` name) unpickle with Python's unpickler restricted to the globals torch's weights-only unpickler allows
+  (its private `_get_allowed_globals`: tensors, torch.Size, dtypes, containers) and the caller's fixed list of
+  classes, which torch.load gets through `torch.serialization.safe_globals`. A file either refuses goes to the
+  caller's `refusal(file, error)` (one sentence), raised where the block ends: on its way there it passes through
+  the libraries as a BaseException, which DCP's `except Exception` (logging a traceback, trying a rank's own
+  metadata) lets through and its gather of every rank's failure carries.
+  why: DeepSpeed (`global_stepN/*_model_states.pt`, `*_optim_states.pt`) and DCP (`.metadata`, non-tensor entries)
+  unpickle whatever a checkpoint holds: a pickle planted in a checkpoint copied from elsewhere would run its code on
+  resume. Neither library has a setting for it (torch's TORCH_FORCE_WEIGHTS_ONLY_LOAD leaves DCP's pickle.load out
+  and gives no file name).
+  targets: torch 2.11 and 2.13 (`torch.load`, `FileSystemReader.read_metadata`, `_get_allowed_globals`),
+  deepspeed 0.18-0.19 (`TorchCheckpointEngine.load` calls `torch.load`), transformers 5.17-5.25, peft 0.21.
+  guarded by: test_safety.py::test_a_payload_in_any_checkpoint_file_is_refused_in_one_line_and_never_runs,
+  test_distributed.py (every strategy resumes its real checkpoints under it).
 """
 
 import argparse
 import atexit
 import contextlib
 import os
+import pickle
 import sys
 from functools import partial
 from pathlib import Path
@@ -388,3 +408,74 @@ def _masks_from_positions(module, args, kwargs):
                                                                 position_ids=position_ids),
     }
     return args, {**kwargs, "input_ids": None, "inputs_embeds": embeddings, "attention_mask": masks}
+
+
+UNREADABLE = (EOFError, RuntimeError, ValueError)  # with pickle.UnpicklingError: a file cut short, damaged or refused
+
+
+class _AllowedGlobalsOnly(pickle.Unpickler):
+    """Python's unpickler restricted to the globals torch's weights-only unpickler allows and the caller's list: DCP's
+    `.metadata` is a plain pickle of protocol 4, which torch's own unpickler does not read."""
+
+    def __init__(self, file, allowed_globals: dict):
+        super().__init__(file)
+        self.allowed_globals = allowed_globals
+
+    def find_class(self, module, name):
+        found = self.allowed_globals.get(f"{module}.{name}")
+        if found is None:  # worded as torch words it: unreadable_reason names the global
+            raise pickle.UnpicklingError(f"Unsupported global: GLOBAL {module}.{name}")
+        return found
+
+
+class _Refused(BaseException):
+    """A file refused, on its way out through the libraries reading it: DCP logs an Exception with its traceback and
+    tries another file, and gathers every rank's failure into one CheckpointException; weights_only_loads raises the
+    refusal itself where its loads end."""
+
+
+@contextlib.contextmanager
+def weights_only_loads(allowed: list, refusal):
+    """Every torch.load, and torch DCP's read of a `.metadata` file, through torch's weights-only unpickler with only
+    `allowed` classes beyond torch's own; a file that either refuses or cannot read ends the block with the exception
+    `refusal(file, error)` returns (file None for bytes read from inside a checkpoint)."""
+    import types
+
+    import torch
+    from torch import _weights_only_unpickler
+    from torch.distributed.checkpoint import filesystem
+
+    load, read_metadata = torch.load, filesystem.FileSystemReader.read_metadata
+    refused = []
+
+    def refuse(file: Path | None, error: Exception):
+        refused.append(refusal(file, error))
+        raise _Refused() from None
+
+    def load_weights_only(f, *args, weights_only=None, pickle_module=None, **kwargs):
+        try:
+            return load(f, *args, weights_only=True, **kwargs)
+        except (pickle.UnpicklingError, *UNREADABLE) as error:
+            refuse(Path(f) if isinstance(f, (str, os.PathLike)) else None, error)
+
+    def read_metadata_weights_only(reader, *args, **kwargs):
+        try:
+            return read_metadata(reader, *args, **kwargs)
+        except (pickle.UnpicklingError, *UNREADABLE) as error:
+            refuse(Path(reader.path) / ".metadata", error)
+
+    allowed_globals = {**_weights_only_unpickler._get_allowed_globals(),
+                       **{f"{cls.__module__}.{cls.__qualname__}": cls for cls in allowed}}
+    weights_only_pickle = types.SimpleNamespace(**vars(pickle))
+    weights_only_pickle.load = lambda file, **_: _AllowedGlobalsOnly(file, allowed_globals).load()
+    torch.load, filesystem.FileSystemReader.read_metadata = load_weights_only, read_metadata_weights_only
+    filesystem.pickle = weights_only_pickle
+    try:
+        with torch.serialization.safe_globals(allowed):
+            yield
+    except BaseException:
+        if refused:
+            raise refused[0] from None
+        raise
+    finally:
+        torch.load, filesystem.FileSystemReader.read_metadata, filesystem.pickle = load, read_metadata, pickle

@@ -5,6 +5,7 @@ files and JSON only: the launcher, the checks and the run all read the folder th
 from __future__ import annotations
 
 import atexit
+import fcntl
 import json
 import os
 import re
@@ -57,17 +58,32 @@ def checkpoint_folders(output_dir: str | Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def step_of(folder: Path) -> int | None:
+    """N of a `checkpoint-N` folder (None for a folder of another name)."""
+    match = CHECKPOINT_PATTERN.match(Path(folder).name)
+    return int(match.group(1)) if match else None
+
+
+def safetensors_header(path: Path) -> tuple[int, dict] | None:
+    """The header of a .safetensors file (each tensor's dtype, shape and data offsets) and its length, read without
+    the tensors; None when the file is shorter than its own header, OSError or ValueError when it cannot be read."""
+    with open(path, "rb") as handle:
+        header_length = int.from_bytes(handle.read(8), "little")
+        if path.stat().st_size < 8 or 8 + header_length > path.stat().st_size:
+            return None
+        return header_length, json.loads(handle.read(header_length))
+
+
 def safetensors_problem(path: Path) -> str | None:
     """Why a .safetensors file cannot be read whole (truncated, bad header), or None."""
     size = path.stat().st_size
     try:
-        with open(path, "rb") as handle:
-            header_length = int.from_bytes(handle.read(8), "little")
-            if size < 8 or 8 + header_length > size:
-                return f"{path.name} is truncated ({size} bytes, shorter than its own header)"
-            header = json.loads(handle.read(header_length))
-    except (OSError, ValueError, UnicodeDecodeError):
+        read = safetensors_header(path)
+    except (OSError, ValueError):
         return f"{path.name} has an unreadable header"
+    if read is None:
+        return f"{path.name} is truncated ({size} bytes, shorter than its own header)"
+    header_length, header = read
     data_end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"), default=0)
     expected = 8 + header_length + data_end
     if size < expected:
@@ -203,7 +219,7 @@ def rotate(output_dir: str | Path, save_total_limit: int | None, keep: set[Path]
     complete = [folder for _, folder in folders if checkpoint_problem(folder) is None]
     if not complete:
         return []
-    newest_step = int(CHECKPOINT_PATTERN.match(complete[-1].name).group(1))
+    newest_step = step_of(complete[-1])
     kept = set(complete[-save_total_limit:]) | {Path(path).resolve() for path in keep}
     deleted = []
     for step, folder in folders:
@@ -241,29 +257,50 @@ def _alive(pid: int, started: str | None) -> bool:
 
 
 def lock_holder(output_dir: str | Path) -> dict | None:
-    """The other launch training into output_dir now ({pid, host, since, ...}), or None. A lock left by a process of
-    this host that is gone (killed, the machine restarted) is stale and holds nothing."""
-    holder = recorded_lock(output_dir)
+    """The other launch training into output_dir now ({pid, host, since, ...}; {} for a lock that cannot be read), or
+    None. A lock left by a process of this host that is gone (killed, the machine restarted) is stale and holds
+    nothing."""
+    return _live_holder(_read_lock(Path(output_dir) / LOCK))
+
+
+def _read_lock(lock: Path) -> dict | None:
+    """What a lock file records; None when there is none, {} when it is empty or damaged (never written by take_lock,
+    which links a lock into place whole)."""
     try:
-        pid = int(holder["pid"])
+        held = json.loads(lock.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return {}
+    return held if isinstance(held, dict) else {}
+
+
+def _live_holder(held: dict | None) -> dict | None:
+    if held is None or held.get("launch") == _launch():
+        return None
+    try:
+        pid = int(held["pid"])
     except (KeyError, TypeError, ValueError):
+        return {}  # no launch can be told from it: held, not stale
+    if held.get("host") == socket.gethostname() and not _alive(pid, held.get("started")):
         return None
-    if holder.get("launch") == _launch():
-        return None
-    if holder.get("host") == socket.gethostname() and not _alive(pid, holder.get("started")):
-        return None
-    return holder
+    return held
 
 
 def in_use_sentence(output_dir: str | Path, holder: dict) -> str:
+    lock = Path(output_dir) / LOCK
+    if "pid" not in holder:
+        return (f"{lock}: this lock names no launch (no pid and host: empty or damaged), so whether another launch "
+                f"trains into {output_dir} cannot be told; delete the file if none does, or pick another --output_dir.")
     return (f"{output_dir}: output_dir is in use by another launch (pid {holder['pid']} on {holder.get('host')}, "
-            f"since {holder.get('since')}; {Path(output_dir) / LOCK}); wait for it to end or pick another "
-            f"--output_dir (delete the lock file only if that process is gone).")
+            f"since {holder.get('since')}; {lock}); wait for it to end or pick another --output_dir (delete the lock "
+            f"file only if that process is gone).")
 
 
 def take_lock(output_dir: str | Path) -> None:
     """Mark output_dir as trained into by this launch, until this process exits; refused while another live launch
-    holds it, a stale lock replaced with a line. Created exclusively: of two launches started together, one wins."""
+    holds it, a stale lock replaced with a line. The record is written aside and linked into place whole (os.link
+    fails while the name exists), so a lock is never empty and of launches started together one wins."""
     folder = Path(output_dir)
     created = not folder.exists()
     folder.mkdir(parents=True, exist_ok=True)
@@ -271,37 +308,61 @@ def take_lock(output_dir: str | Path) -> None:
     pid = os.getpid()
     record = {"pid": pid, "host": socket.gethostname(), "launch": _launch(), "started": _started(pid),
               "since": time.strftime("%Y-%m-%dT%H:%M:%S"), "created_folder": created}
-    while True:  # a stale lock is removed and taking it tried again
-        try:
-            descriptor = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-        except FileExistsError:
-            holder = lock_holder(folder)
-            if holder is not None:
-                raise UserError(in_use_sentence(folder, holder)) from None
-            stale = recorded_lock(folder)
-            if stale.get("launch") != record["launch"]:
-                say(f"{lock}: the launch that held it (pid {stale.get('pid')}) is gone; taking the folder over")
-            lock.unlink(missing_ok=True)
-            continue
-        with os.fdopen(descriptor, "w") as handle:
-            handle.write(json.dumps(record) + "\n")
-        atexit.register(release_lock, folder)
-        return
-
-
-def recorded_lock(output_dir: str | Path) -> dict:
+    written = folder / f"{LOCK}.{pid}.tmp"
+    written.write_text(json.dumps(record) + "\n")
     try:
-        held = json.loads((Path(output_dir) / LOCK).read_text())
-    except (OSError, ValueError):
-        return {}
-    return held if isinstance(held, dict) else {}
+        while True:  # a stale lock is removed and taking it tried again
+            try:
+                os.link(written, lock)
+                break
+            except FileExistsError:
+                held = _read_lock(lock)
+                holder = _live_holder(held)
+                if holder is not None:
+                    raise UserError(in_use_sentence(folder, holder)) from None
+                if held and _remove_stale(lock, held) and held.get("launch") != record["launch"]:
+                    say(f"{lock}: the launch that held it (pid {held.get('pid')}) is gone; taking the folder over")
+    finally:
+        written.unlink(missing_ok=True)
+    atexit.register(release_lock, folder)
+
+
+def _remove_stale(lock: Path, judged: dict) -> bool:
+    """Remove the lock judged stale, unless the name holds another lock by now. Launches taking over the same stale
+    lock take turns on it (flock on the stale file): the first removes it, the others then find the name gone or
+    linked to the winner's lock, and remove nothing."""
+    try:
+        descriptor = os.open(lock, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX)
+        try:
+            same_file = os.stat(lock).st_ino == os.fstat(descriptor).st_ino
+        except FileNotFoundError:
+            return False
+        with os.fdopen(os.dup(descriptor)) as handle:
+            text = handle.read()
+        if not same_file or _parsed(text) != judged:
+            return False
+        os.unlink(lock)
+        return True
+    finally:
+        os.close(descriptor)
+
+
+def _parsed(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
 
 
 def release_lock(output_dir: str | Path) -> None:
     """Remove output_dir's lock when this process holds it, and the folder too when taking the lock created it and
     nothing was written there since (a run refused while loading leaves no trace)."""
     folder = Path(output_dir)
-    held = recorded_lock(folder)
+    held = _read_lock(folder / LOCK) or {}
     if held.get("pid") != os.getpid():
         return
     (folder / LOCK).unlink(missing_ok=True)

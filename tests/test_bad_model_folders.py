@@ -372,6 +372,74 @@ def test_training_from_a_bad_model_folder_is_one_sentence_before_loading(case, f
     check_bad_input((name, lambda tmp: arguments, expected_words), tmp_path, capfd, monkeypatch)
 
 
+# An MXFP4 checkpoint (the tiny GPT-OSS as the hub ships it) with one packed expert tensor stored wrong: each would load
+# without a word or fail in a traceback (scales of one column broadcast by copy_, float blocks cast to uint8 zeros,
+# transposed scales a RuntimeError); each is named from the safetensors headers on every path, before loading.
+PACKED = "model.layers.0.mlp.experts.gate_up_proj"
+MXFP4_DAMAGE = {
+    "scales of one column": (f"{PACKED}_scales", lambda scales: scales[..., :1].contiguous()),
+    "blocks stored as float32": (f"{PACKED}_blocks", lambda blocks: blocks.float()),
+    "scales transposed": (f"{PACKED}_scales", lambda scales: scales.transpose(1, 2).contiguous()),
+}
+
+
+@pytest.fixture(scope="module")
+def damaged_mxfp4(tmp_path_factory, tiny_model_cache) -> dict[str, tuple[str, str]]:
+    """Per damage: the damaged checkpoint folder and the words its refusal names (the tensor, as stored, and the
+    shape config.json implies)."""
+    import safetensors.torch
+
+    from benchmarks import mxfp4_checkpoints
+
+    root = tmp_path_factory.mktemp("damaged-mxfp4")
+    source = mxfp4_checkpoints.tiny_checkpoint()
+    index = json.loads((source / "model.safetensors.index.json").read_text())["weight_map"]
+    built = {}
+    for damage, (name, change) in MXFP4_DAMAGE.items():
+        folder = copy_of(source, root / damage.replace(" ", "-"))
+        shard = folder / index[name]
+        tensors = safetensors.torch.load_file(str(shard))
+        expected = list(tensors[name].shape)
+        tensors[name] = change(tensors[name])
+        safetensors.torch.save_file(tensors, str(shard), metadata={"format": "pt"})
+        stored = f"{str(tensors[name].dtype).removeprefix('torch.').replace('float32', 'F32').replace('uint8', 'U8')}"
+        built[damage] = (str(folder), [f"{name} is stored as {stored} {list(tensors[name].shape)}",
+                                       f"implies U8 {expected}", "re-download"])
+    return built
+
+
+MXFP4_PATHS = {  # (the damaged folder, the module's folders, the test's tmp_path) -> `finetune` arguments
+    "chat": lambda folder, folders, tmp: ["chat", folder],
+    "generate": lambda folder, folders, tmp: ["generate", folder, "--prompts", folders["prompts"], "--out",
+                                              str(tmp / "answers.jsonl")],
+    "eval": lambda folder, folders, tmp: ["eval", folder, "--dataset_name", folders["rows"], "--report",
+                                          str(tmp / "report.json")],
+    "merge": lambda folder, folders, tmp: ["merge", folders["adapter"], str(tmp / "merged"), "--base_model", folder],
+    "check": lambda folder, folders, tmp: ["check", "--config", str(ROOT / "recipes" / "gpt-oss-20b" / "lora.yaml"),
+                                           "--model_name_or_path", folder],
+}
+
+
+@pytest.mark.parametrize("path", MXFP4_PATHS)
+@pytest.mark.parametrize("damage", MXFP4_DAMAGE)
+def test_a_packed_expert_tensor_stored_wrong_is_named_before_loading_by_every_command(damage, path, damaged_mxfp4,
+                                                                                       folders, tmp_path, capfd):
+    folder, expected_words = damaged_mxfp4[damage]
+    line = refusal(MXFP4_PATHS[path](folder, folders, tmp_path), capfd)
+    assert all(word in line for word in expected_words), (line, expected_words)
+
+
+@pytest.mark.parametrize("dequantize", ["true", "false"])
+@pytest.mark.parametrize("damage", MXFP4_DAMAGE)
+def test_training_on_a_packed_expert_tensor_stored_wrong_is_one_sentence_before_loading(damage, dequantize,
+                                                                                       damaged_mxfp4, tmp_path, capfd,
+                                                                                       monkeypatch):
+    folder, expected_words = damaged_mxfp4[damage]
+    arguments = ["--config", str(ROOT / "recipes" / "gpt-oss-20b" / "lora.yaml"), "--model_name_or_path", folder,
+                 "--dataset_name", str(ROOT / "data" / "sample"), "--dequantize_mxfp4", dequantize]
+    check_bad_input((damage, lambda tmp: arguments, expected_words), tmp_path, capfd, monkeypatch)
+
+
 @pytest.mark.launches
 def test_the_console_command_reads_a_pipe_that_is_not_utf8_as_one_sentence(folders, tmp_path):
     """The real `finetune chat` with a byte that is not UTF-8 on its stdin, as `printf 'hi\\xff\\n' |` gives it."""

@@ -349,6 +349,32 @@ def test_expert_lora_resumes_from_its_checkpoint_to_the_uninterrupted_result(run
     assert max_relative_difference(adapter, reload_adapter(uninterrupted.output_dir, "gpt-oss")) <= 1e-6
 
 
+@pytest.mark.parametrize("config", per_config(["zero2"]))
+def test_a_payload_planted_in_a_zero_checkpoint_never_runs_on_resume(runs, config, tmp_path):
+    """The issue-43 case: DeepSpeed's model states replaced by a pickle whose unpickling creates a file, the
+    checkpoint's completeness marker rewritten so that it looks complete; the relaunch resumes it and is refused in
+    one sentence naming the file (every rank says the same), and the file is never created. The other files:
+    tests/test_checkpoint_payloads.py."""
+    from tests.test_checkpoint_payloads import plant
+
+    uninterrupted, _ = runs.full_resumed(config)
+    out = tmp_path / "out"
+    out.mkdir()
+    shutil.copy(uninterrupted.output_dir / "finetune_run.json", out)
+    checkpoint = shutil.copytree(uninterrupted.output_dir / f"checkpoint-{STEPS // 2}", out / f"checkpoint-{STEPS // 2}")
+    marker = tmp_path / "payload-ran"
+    planted = plant(checkpoint / f"global_step{STEPS // 2}" / "mp_rank_00_model_states.pt", marker)
+    flags = [*COMPARABLE, *batch_flags(2), "--max_steps", str(STEPS), "--save_strategy", "steps",
+             "--save_steps", str(STEPS // 2)]
+    command = accelerate_command(config, 2, free_port()) + sft_args("llama-3.2-1b/full", out, *flags)
+    result = subprocess.run(command, cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode != 0 and not marker.exists(), result.stderr[-3000:]
+    refusals = set(re.findall(r"error: [^\r\n]*", result.stderr))
+    assert len(refusals) == 1, result.stderr[-3000:]
+    assert refusals.pop().startswith(f"error: {planted}: it would build "), result.stderr[-3000:]
+    assert not re.search(r'File "[^"]*(finetune/|scripts/sft\.py)', result.stderr), result.stderr[-3000:]
+
+
 # --- Two machines on one host: one process each, rendezvous over 127.0.0.1.
 
 

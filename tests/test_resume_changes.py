@@ -5,10 +5,12 @@ learning rate and cadence and checks that they are applied."""
 
 import dataclasses
 import json
+import multiprocessing
 import os
 import re
 import shutil
 import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -187,6 +189,82 @@ def test_a_launch_into_a_folder_in_use_is_refused_naming_the_first_and_a_stale_l
     assert not (output_dir / folder_files.LOCK).exists()
 
 
+@pytest.mark.parametrize("state, flags, expected", [
+    ('{"global_step": 40}', [], ["`global_step` is 40 in the folder of step 4", "resume from", "checkpoint-2 instead"]),
+    ('{"global_step": 4}', ["--max_steps", "3"],
+     ["`global_step` is 4, past this run's max_steps 3", "raise --max_steps above 4"]),
+    ('{"log_history": []}', [], ["holds no step (`global_step`)", "checkpoint-2 instead"]),
+], ids=["another step than its folder's", "past the run's max_steps", "no step"])
+def test_a_trainer_state_contradicting_its_folder_or_the_run_is_refused_before_loading(state, flags, expected,
+                                                                                       tmp_path):
+    output_dir = run_folder(tmp_path)
+    shutil.copytree(output_dir / "checkpoint-4", output_dir / "checkpoint-2")
+    write(output_dir / "checkpoint-2" / "trainer_state.json", '{"global_step": 2}')
+    folder_files.write_marker(output_dir / "checkpoint-2", 2, 1)
+    write(output_dir / "checkpoint-4" / "trainer_state.json", state)
+    folder_files.write_marker(output_dir / "checkpoint-4", 4, 1)  # the marker rewritten: the folder looks complete
+    with pytest.raises(UserError) as refused:
+        relaunch(output_dir, *flags)
+    sentence = str(refused.value)
+    assert sentence.startswith(f"{output_dir / 'checkpoint-4' / 'trainer_state.json'}: "), sentence
+    assert all(word in sentence for word in expected), sentence
+    relaunch(output_dir, "--resume_from_checkpoint", str(output_dir / "checkpoint-2"), *flags)  # the way out works
+
+
+def _take_lock_slowly(output_dir, slowed: str, delay: float, taken, done) -> None:
+    """take_lock in a process of its own with one step slowed by `delay` s: writing the lock's record ("write") or
+    judging whether its holder is gone ("judge"); it says what happened, then stays alive (a live holder) until told."""
+    import types
+
+    if slowed == "write":
+        def dumps(*args, **kwargs):
+            time.sleep(delay)
+            return json.dumps(*args, **kwargs)
+        folder_files.json = types.SimpleNamespace(dumps=dumps, loads=json.loads)
+    else:
+        alive = folder_files._alive
+        folder_files._alive = lambda *args: time.sleep(delay) or alive(*args)
+    try:
+        folder_files.take_lock(output_dir)
+        taken.put("took it")
+    except UserError as refused:
+        taken.put(str(refused))
+    done.wait(60)
+
+
+@pytest.mark.launches
+@pytest.mark.parametrize("slowed", ["write", "judge"])
+def test_launches_taking_the_lock_together_never_both_take_it(tmp_path, slowed):
+    output_dir = tmp_path / "out"
+    if slowed == "judge":  # both find a stale lock and take it over, the second judging it later than the first
+        output_dir.mkdir()
+        write(output_dir / folder_files.LOCK, json.dumps(
+            {"pid": os.getpid(), "host": socket.gethostname(), "launch": "a launch gone", "started": "0"}))
+    context = multiprocessing.get_context("fork")
+    taken, done = context.Queue(), context.Event()
+    launches = [context.Process(target=_take_lock_slowly, args=(output_dir, slowed, 0.3 + 0.4 * index, taken, done))
+                for index in range(2)]
+    for launch in launches:
+        launch.start()
+    outcomes = sorted(taken.get(timeout=60) for _ in launches)
+    done.set()
+    for launch in launches:
+        launch.join(30)
+    assert outcomes[1] == "took it" and "output_dir is in use by another launch" in outcomes[0], outcomes
+    holder = json.loads((output_dir / folder_files.LOCK).read_text())
+    assert holder["pid"] in {launch.pid for launch in launches}
+    assert sorted(path.name for path in output_dir.iterdir()) == [folder_files.LOCK]
+
+
+def test_an_empty_lock_is_refused_naming_it_not_taken_over(tmp_path):
+    output_dir = tmp_path / "out"
+    write(output_dir / folder_files.LOCK, "")
+    with pytest.raises(UserError) as refused:
+        folder_files.take_lock(output_dir)
+    assert str(refused.value).startswith(f"{output_dir / folder_files.LOCK}: this lock names no launch"), refused.value
+    assert (output_dir / folder_files.LOCK).read_text() == ""
+
+
 def with_adapter_config(checkpoint: Path, **settings) -> None:
     write(checkpoint / "adapter_config.json", json.dumps(
         {"r": 16, "lora_alpha": 32, "use_rslora": False, "use_dora": False, "lora_dropout": 0.05, **settings}))
@@ -206,7 +284,7 @@ def test_a_run_record_cut_short_still_compares_the_checkpoints_own_adapter_confi
 def test_a_run_record_cut_short_still_compares_the_checkpoints_own_training_arguments(tmp_path):
     """The Trainer's arguments pickled in the checkpoint (training_args.bin, as the Trainer saves them) are read with
     torch's weights-only unpickler: a changed seed is refused with the run record gone; a pickle that would build any
-    other class is not read (its checkpoint is compared by its JSON files only)."""
+    other class is refused in one sentence naming the file (tests/test_safety.py plants payloads that would run)."""
     output_dir = run_folder(tmp_path)
     written = parse_args([*LORA, "--output_dir", str(output_dir)]).training
     torch.save(written, output_dir / "checkpoint-4" / "training_args.bin")
@@ -219,7 +297,11 @@ def test_a_run_record_cut_short_still_compares_the_checkpoints_own_training_argu
     assert resume.training_arguments(output_dir / "checkpoint-4")["lr_scheduler_type"] == "cosine"
 
     torch.save({"arguments": written, "code": print}, output_dir / "checkpoint-4" / "training_args.bin")
-    assert resume.training_arguments(output_dir / "checkpoint-4") == {}
+    with pytest.raises(UserError) as refused:
+        resume.training_arguments(output_dir / "checkpoint-4")
+    assert str(refused.value).startswith(f"{output_dir / 'checkpoint-4' / 'training_args.bin'}: it would build "
+                                         f"print, which no checkpoint holds"), refused.value
+    assert "weights_only" not in str(refused.value) and "\n" not in str(refused.value)
 
 
 @pytest.mark.parametrize("record", ["kept", "gone"])

@@ -12,7 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from finetune import families, patches, run_folder
 from finetune.config.launch_request import ExportedLaunch
 from finetune.errors import UserError, first_line, say
-from finetune.models import attention, tiny
+from finetune.models import attention, mxfp4, tiny
 from finetune.run_folder import RUN_RECORD
 
 
@@ -201,6 +201,12 @@ def _weights_problem(folder: Path) -> str | None:
         problem = run_folder.safetensors_problem(folder / shard)
         if problem:
             return f"{folder}/{problem}; {REMAKE}."
+    if mxfp4.is_mxfp4_checkpoint(str(folder)):
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        headers = {folder / shard: run_folder.safetensors_header(folder / shard)[1] for shard in shards}
+        problem = mxfp4.packed_problem(config, headers)
+        if problem:
+            return f"{problem}; {REMAKE}."
     return None
 
 

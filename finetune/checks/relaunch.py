@@ -53,6 +53,7 @@ def check_output_dir(run) -> None:
     if run.resumes_from is None:
         check_finished_model_kept(run, output_dir)
     else:
+        resume.check_trainer_state(run, run.resumes_from)
         run.recorded_settings = settings_of_checkpoint(run.resumes_from, output_dir, run.recorded_settings)
         if run.recorded_settings:
             resume.check_relaunch(run, run.recorded_settings, run.resumes_from, output_dir)

@@ -21,11 +21,13 @@ import hashlib
 import json
 import os
 import pickle
+import re
 from pathlib import Path
 
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
+from finetune import patches, run_folder
 from finetune.errors import UserError, say
 from finetune.json_files import read_object
 
@@ -67,16 +69,83 @@ TRAINER_STATE_FIELDS = {"train_batch_size": "per_device_train_batch_size"}
 TRAINING_ARGS_FIELDS = ("seed", "data_seed", "optim", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon",
                         "learning_rate", "lr_scheduler_type", "warmup_steps", "max_length", "packing", "padding_free",
                         "assistant_only_loss", "completion_only_loss")
-# The only classes that file may build: it is read with torch's weights-only unpickler, so that a checkpoint from
-# another folder cannot run code here; a file needing any other class (another version, another trainer) is skipped.
-TRAINING_ARGS_CLASSES = (
+# The only classes a checkpoint file may build beyond torch's own (tensors, torch.Size, dtypes, containers): every
+# checkpoint file a run resumes from, or a command loads, is read with torch's weights-only unpickler and these
+# (`read_safely`), so that no file of a checkpoint, whoever wrote it, can run code here. A file needing any other
+# class is refused in one sentence naming it.
+CHECKPOINT_CLASSES = (
+    # training_args.bin: the Trainer's arguments (TRL's SFTConfig) with the enums and helpers they hold
     "trl.trainer.sft_config.SFTConfig", "transformers.training_args.TrainingArguments",
     "transformers.trainer_utils.SchedulerType", "transformers.training_args.OptimizerNames",
     "transformers.trainer_utils.IntervalStrategy", "transformers.trainer_utils.SaveStrategy",
     "transformers.trainer_utils.HubStrategy", "transformers.trainer_utils.FSDPOption",
     "transformers.debug_utils.DebugOption", "transformers.trainer_pt_utils.AcceleratorConfig",
     "accelerate.state.PartialState", "accelerate.utils.dataclasses.DistributedType",
+    # ... and under DeepSpeed its plugin and configs
+    "accelerate.utils.dataclasses.DeepSpeedPlugin", "transformers.integrations.deepspeed.HfDeepSpeedConfig",
+    "transformers.integrations.deepspeed.HfTrainerDeepSpeedConfig",
+    # rng_state*.pth: numpy's random state (transformers' own safe_globals around its read)
+    "numpy._core.multiarray._reconstruct", "numpy.ndarray", "numpy.dtype", "numpy.dtypes.UInt32DType",
+    # DeepSpeed's global_stepN/*_optim_states.pt (its *_model_states.pt need nothing beyond torch's)
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler", "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+    "deepspeed.runtime.zero.config.ZeroStageEnum", "deepspeed.utils.tensor_fragment.fragment_address",
+    # torch DCP's .metadata of a sharded FSDP2 state (pytorch_model_fsdp_0/, optimizer_0/)
+    "torch.distributed.checkpoint.metadata.Metadata", "torch.distributed.checkpoint.metadata.StorageMeta",
+    "torch.distributed.checkpoint.metadata.TensorStorageMetadata",
+    "torch.distributed.checkpoint.metadata.BytesStorageMetadata",
+    "torch.distributed.checkpoint.metadata.ChunkStorageMetadata",
+    "torch.distributed.checkpoint.metadata.TensorProperties", "torch.distributed.checkpoint.metadata.MetadataIndex",
+    "torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING",
+    "torch.distributed.checkpoint.filesystem._StorageInfo", "pathlib.PosixPath",
 )
+
+
+def checkpoint_classes() -> list:
+    """CHECKPOINT_CLASSES as classes, of the libraries this process has imported (DeepSpeed is not imported for a run
+    that does not use it: patches.skip_unused_deepspeed) and leaving out those this version of a library does not
+    have: no file it writes holds them."""
+    import importlib
+    import sys
+
+    classes = []
+    for dotted in CHECKPOINT_CLASSES:
+        module, _, name = dotted.rpartition(".")
+        if sys.modules.get(module.split(".")[0]) is None:
+            continue
+        with contextlib.suppress(ImportError, AttributeError):
+            classes.append(getattr(importlib.import_module(module), name))
+    return classes
+
+
+WOULD_BUILD = re.compile(r"GLOBAL ([\w.]+)")
+
+
+def unreadable_reason(error: Exception) -> str:
+    """Why torch's weights-only loader would not read a file, without its advice to unpickle it anyway."""
+    wanted = WOULD_BUILD.search(str(error))
+    if wanted:
+        return f"it would build {wanted.group(1)}, which no checkpoint holds (a pickle that can run code)"
+    if isinstance(error, pickle.UnpicklingError):
+        return "it holds what a checkpoint never holds (a damaged file or a pickle that can run code)"
+    detail = str(error).splitlines()[0] if str(error).strip() else type(error).__name__
+    return f"it cannot be read, cut short or damaged ({detail})"
+
+
+@contextlib.contextmanager
+def read_safely(checkpoint: str | Path | None):
+    """While resuming `checkpoint`: its files read with CHECKPOINT_CLASSES only, one that cannot be read refused
+    naming it and the complete checkpoint before it to resume from instead."""
+    if checkpoint is None:
+        yield
+        return
+    checkpoint = Path(checkpoint)
+
+    def refusal(file: Path | None, error: Exception) -> UserError:
+        return UserError(f"{file or checkpoint}: {unreadable_reason(error)}, so {checkpoint.name} cannot be resumed; "
+                         f"{fall_back(checkpoint)}.")
+
+    with patches.weights_only_loads(checkpoint_classes(), refusal):
+        yield
 
 
 FINGERPRINT_ROWS = 1000  # rows hashed, evenly spaced: a re-staged copy of the same file matches, an edited one not
@@ -122,26 +191,46 @@ def checkpoint_settings(checkpoint: Path) -> dict:
     return found | training_arguments(checkpoint)
 
 
+def fall_back(checkpoint: Path) -> str:
+    """The way out when `checkpoint` cannot be resumed: the newest complete checkpoint before it, or the start."""
+    own_step = run_folder.step_of(checkpoint)
+    older = [folder for step, folder in run_folder.checkpoint_folders(checkpoint.parent)
+             if own_step is not None and step < own_step and run_folder.checkpoint_problem(folder) is None]
+    if older:
+        return f"resume from {older[-1]} instead (--resume_from_checkpoint {older[-1]})"
+    return (f"no complete checkpoint before it is in {checkpoint.parent}: move {checkpoint} out of that folder (or "
+            f"leave out --resume_from_checkpoint) to train from the start")
+
+
+def check_trainer_state(run, checkpoint: Path) -> None:
+    """A checkpoint's trainer_state.json must agree with its folder and the run: the Trainer resumes at its
+    `global_step` whatever the folder's name, and from a step beyond max_steps trains nothing and saves the run as
+    finished there."""
+    state_file = checkpoint / "trainer_state.json"
+    step = read_object(state_file).get("global_step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise UserError(f"{state_file}: holds no step (`global_step`), so {checkpoint.name} cannot be resumed; "
+                        f"{fall_back(checkpoint)}.")
+    own_step = run_folder.step_of(checkpoint)
+    if own_step is not None and step != own_step:
+        raise UserError(f"{state_file}: `global_step` is {step} in the folder of step {own_step}, so the file was "
+                        f"changed or belongs to another checkpoint; {fall_back(checkpoint)}.")
+    max_steps = run.training.max_steps
+    if 0 < max_steps < step:
+        raise UserError(f"{state_file}: `global_step` is {step}, past this run's max_steps {max_steps}, so resuming "
+                        f"would train nothing and save the run as finished at step {step}; raise --max_steps above "
+                        f"{step}, or pick a new --output_dir to train {max_steps} steps.")
+
+
 def training_arguments(checkpoint: Path) -> dict:
-    """TRAINING_ARGS_FIELDS as the checkpoint's training_args.bin holds them, or nothing where it cannot be read
-    with only TRAINING_ARGS_CLASSES."""
+    """TRAINING_ARGS_FIELDS as the checkpoint's training_args.bin holds them (read_safely)."""
     path = checkpoint / "training_args.bin"
     if not path.is_file():
         return {}
-    import importlib
-
     import torch
 
-    classes = []
-    for dotted in TRAINING_ARGS_CLASSES:
-        module, _, name = dotted.rpartition(".")
-        with contextlib.suppress(ImportError, AttributeError):  # a class this version does not have is not needed
-            classes.append(getattr(importlib.import_module(module), name))
-    try:
-        with torch.serialization.safe_globals(classes):
-            arguments = torch.load(path, weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError):
-        return {}
+    with read_safely(checkpoint):
+        arguments = torch.load(path)
     return {name: _plain(getattr(arguments, name)) for name in TRAINING_ARGS_FIELDS if hasattr(arguments, name)}
 
 

@@ -11,7 +11,9 @@ from peft import LoraConfig
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, Mxfp4Config, PreTrainedModel
 from trl import get_peft_config, get_quantization_config
 
-from finetune import families
+from finetune import families, patches
+from finetune.checks import resume
+from finetune.checks.model_folder import REMAKE_ADAPTER
 from finetune.errors import UserError, first_line
 from finetune.models import attention, cpu, mxfp4, mxfp4_loading
 from finetune.run.arguments import RunConfig
@@ -30,8 +32,12 @@ def load_adapter(model: PreTrainedModel, adapter_dir: str, base: str, base_flag:
     shapes) ends in one sentence instead of peft's list of every mismatched tensor."""
     from peft import PeftModel
 
+    def refusal(file, error) -> UserError:
+        return UserError(f"{file or adapter_dir}: {resume.unreadable_reason(error)}; {REMAKE_ADAPTER}.")
+
     try:
-        return PeftModel.from_pretrained(model, adapter_dir)
+        with patches.weights_only_loads(resume.checkpoint_classes(), refusal):  # an adapter_model.bin is a pickle
+            return PeftModel.from_pretrained(model, adapter_dir)
     except RuntimeError as error:
         mismatch = SIZE_MISMATCH.search(str(error))
         if mismatch is None:

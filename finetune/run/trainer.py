@@ -236,7 +236,8 @@ def train_and_save(trainer: SFTTrainer, run: RunConfig, tokenizer) -> None:
                                       chat_template_kwargs=run.finetune.chat_template_kwargs)
     with saving.writes_reported(output_dir):
         try:
-            trainer.train(resume_from_checkpoint=resume_from)
+            with resume.read_safely(resume_from):
+                trainer.train(resume_from_checkpoint=resume_from)
         except resume.NothingLeftToTrain:
             say(f"{resume_from} is at max_steps: nothing left to train; writing the final model from it.")
         except torch.OutOfMemoryError:
