@@ -95,7 +95,7 @@ def merged_size(folder) -> int:
 
 @pytest.mark.skipif(not merge_memory.measurable(), reason="needs Linux's /proc/self/clear_refs and glibc's mallopt")
 def test_streamed_merge_holds_shards_not_the_model_in_host_memory(tmp_path):
-    """The peak host memory of a merge 4x as deep (12 layers instead of 3, shards of 2 MiB in MXFP4, ~6.6 MiB merged)
+    """The peak host memory of a merge 4x as deep (12 layers instead of 3, stored in MXFP4 shards of 2 MiB, 6.6 MB a layer merged)
     grows by less than half of what the model grows by (57 MiB: 7 MiB measured, most of it the adapter peft reads
     whole); holding every merged tensor until the end grows it by 65 MiB."""
     merge_memory.serve_large_allocations_from_mmap()
