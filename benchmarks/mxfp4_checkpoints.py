@@ -138,6 +138,20 @@ def _write_shard(tensors: dict, folder: Path, number: int) -> tuple[Path, list[s
     return path, sorted(tensors), sum(tensor.nbytes for tensor in tensors.values())
 
 
+def resharded(folder: Path, target: Path, shard_bytes: int) -> Path:
+    """The checkpoint in `folder` written again into `target` in shards of at most `shard_bytes`, with its generation
+    config and tokenizer."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    stored = {}
+    for shard in sorted(folder.glob("*.safetensors")):
+        stored.update(load_file(str(shard)))
+    write_checkpoint(AutoConfig.from_pretrained(folder), sorted(stored.items()), target, shard_bytes=shard_bytes)
+    _copy_beside_weights(folder, target)
+    return target
+
+
 def stored_expert_weights(folder: Path, layer: int | None = None) -> dict[str, torch.Tensor]:
     """Every expert weight of a checkpoint folder (or of one layer), dequantized here from its stored blocks and
     scales."""
@@ -170,6 +184,15 @@ def expected_shapes(config) -> dict[str, tuple[list[int], str]]:
     }
 
 
+def _copy_beside_weights(source: Path, target: Path) -> None:
+    import shutil
+
+    for name in ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                 "chat_template.jinja"):
+        if (source / name).is_file():
+            shutil.copy(source / name, target / name)
+
+
 def tiny_checkpoint() -> Path:
     """The tiny GPT-OSS written as the hub ships openai/gpt-oss-*: experts in MXFP4 (blocks and scales), every other
     tensor in bf16, sharded with an index, `quantization_config: {quant_method: mxfp4}` in config.json. Written once
@@ -189,10 +212,7 @@ def tiny_checkpoint() -> Path:
     staging = Path(tempfile.mkdtemp(dir=source.parent, prefix=f".{folder.name}-"))
     tensors = safetensors.torch.load_file(str(source / "model.safetensors"))
     write_checkpoint(AutoConfig.from_pretrained(source), sorted(tensors.items()), staging)
-    for name in ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                 "chat_template.jinja"):
-        if (source / name).is_file():
-            shutil.copy(source / name, staging / name)
+    _copy_beside_weights(source, staging)
     try:
         staging.rename(folder)
     except OSError:  # another process finished first; its folder is identical

@@ -132,6 +132,17 @@ says what to revisit and which test fails first.
   targets: transformers 5.17 and 5.25 (`GptOssExperts`, `from_config`), peft 0.21 (`ParamWrapper` reads only the
   shape, dtype and device of the placeholder).
   guarded by: tests/test_mxfp4_resident.py.
+- `merging.merge` (finetune/run/merging.py, the streamed merge of an MXFP4 base)
+  does: picks the modules to merge as peft's private `BaseTuner._unload_and_optionally_merge` does (the outermost with
+  `unload_and_optionally_merge_module` or a `base_layer`) and merges each with its public merge methods; merges an
+  expert stack's `ParamWrapper` a chunk of experts at a time with the einsum, scaling and rounding of
+  `ParamWrapper.get_delta_weight`, reading its `lora_A`/`lora_B` layout and private `_did_swap_in_out_features`;
+  makes a meta module's tensors real through `nn.Module._parameters`/`_buffers`.
+  why: peft merges only a whole loaded model, and its expert merge forms the stack's delta in float32 twice
+  (17 GiB for one GPT-OSS-120B gate_up_proj).
+  targets: peft 0.21.2, transformers 5.25 (`GptOssExperts`).
+  guarded by: test_mxfp4_merge.py::test_streamed_merge_of_an_mxfp4_base_is_the_in_memory_merge_bit_for_bit (4 experts
+  in chunks of 3 and 1, against merge_and_unload).
 - `model._require_grads_hook` (finetune/models/compilation.py, `one_graph_for_every_layer`)
   does: reads transformers' private handle of the hook `enable_input_require_grads` registers, to register it once.
   why: transformers has no public way to ask whether input gradients are already enabled.

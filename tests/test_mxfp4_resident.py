@@ -13,7 +13,6 @@ import importlib
 
 import pytest
 import torch
-from transformers import AutoConfig
 
 from benchmarks import mxfp4_checkpoints
 from finetune.models import expert_lora, mxfp4_experts, mxfp4_loading
@@ -29,14 +28,7 @@ def mxfp4_folder():
 @pytest.fixture(scope="module")
 def many_shards(mxfp4_folder, tmp_path_factory):
     """The same checkpoint cut into shards of at most 64 kB: tensors of one experts module land in different files."""
-    from safetensors.torch import load_file
-
-    stored = {}
-    for shard in sorted(mxfp4_folder.glob("*.safetensors")):
-        stored.update(load_file(str(shard)))
-    folder = tmp_path_factory.mktemp("many-shards")
-    return mxfp4_checkpoints.write_checkpoint(AutoConfig.from_pretrained(mxfp4_folder), sorted(stored.items()), folder,
-                                              shard_bytes=64 << 10)
+    return mxfp4_checkpoints.resharded(mxfp4_folder, tmp_path_factory.mktemp("many-shards"), shard_bytes=64 << 10)
 
 
 def random_packed(experts=3, outputs=40, groups=4, scales=(0, 255)):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 from finetune.config.files import blocked_folder
@@ -28,10 +29,11 @@ def add_merge(subparsers) -> None:
 
 
 def merge_adapter(adapter_dir: str, output_dir: str, base_model: str | None = None) -> Path:
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Mxfp4Config  # heavy: only when merging
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # heavy: only when merging
 
     from finetune.checks.model_folder import ADAPTER_CONFIG, check_model
-    from finetune.models import mxfp4
+    from finetune.models import mxfp4, mxfp4_loading
+    from finetune.run import merging
     from finetune.run.model import load_adapter
 
     output = Path(output_dir)
@@ -43,22 +45,32 @@ def merge_adapter(adapter_dir: str, output_dir: str, base_model: str | None = No
     tokenizer_from = adapter_dir if _holds_tokenizer(Path(adapter_dir)) else base_model
     if tokenizer_from != adapter_dir:
         say(f"{adapter_dir} holds no tokenizer files (a plain peft adapter): the merged model gets {base_model}'s")
-    kwargs = {"dtype": "auto", "use_safetensors": True}
-    if mxfp4.is_mxfp4_checkpoint(base_model):  # LoRA merges into dequantized experts only
-        kwargs["quantization_config"] = Mxfp4Config(dequantize=True)
-    try:
-        base = AutoModelForCausalLM.from_pretrained(base_model, **kwargs)
-    except OSError as error:
-        raise UserError(f"{base_model}: the base model could not be loaded ({first_line(error)}); without "
-                        f"network pass a local copy of it with --base_model.") from None
-    merged = load_adapter(base, adapter_dir, base_model, "--base_model").merge_and_unload()
+    if mxfp4.is_mxfp4_checkpoint(base_model):  # shard by shard: the 120B base dequantized would take 218 GiB
+        with base_not_loadable(base_model):
+            checkpoint = mxfp4_loading.checkpoint_folder(base_model, None)
+
+        def write_model(folder: Path) -> None:
+            merging.merge(checkpoint, base_model, adapter_dir, folder)
+    else:
+        with base_not_loadable(base_model):
+            base = AutoModelForCausalLM.from_pretrained(base_model, dtype="auto", use_safetensors=True)
+        write_model = load_adapter(base, adapter_dir, base_model, "--base_model").merge_and_unload().save_pretrained
 
     def save(folder: Path) -> None:
-        merged.save_pretrained(folder)
+        write_model(folder)
         AutoTokenizer.from_pretrained(tokenizer_from).save_pretrained(folder)
 
     write_aside(output, save)
     return output
+
+
+@contextmanager
+def base_not_loadable(base_model: str):
+    try:
+        yield
+    except OSError as error:
+        raise UserError(f"{base_model}: the base model could not be loaded ({first_line(error)}); without "
+                        f"network pass a local copy of it with --base_model.") from None
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")

@@ -1,8 +1,8 @@
 """GPT-OSS checkpoints as the hub ships them: mixture-of-experts weights in MXFP4, everything else in bf16. A run
 recognises one here; loading then either asks transformers to dequantize the experts (`dequantize_mxfp4: true`,
 finetune/run/model.py) or keeps them packed on the GPU (`false`: mxfp4_loading.py, mxfp4_experts.py), and a LoRA merge
-goes into the dequantized experts (finetune/commands/merge.py). The format itself, with a writer and an independent
-reader for the tests and benchmarks, is in benchmarks/mxfp4_checkpoints.py.
+goes into the experts dequantized shard by shard (finetune/run/merging.py). The format itself, with a writer and an
+independent reader for the tests and benchmarks, is in benchmarks/mxfp4_checkpoints.py.
 """
 
 import json

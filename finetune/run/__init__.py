@@ -1,1 +1,1 @@
-"""The SFT run with torch, transformers and TRL: arguments, model, trainer, saving, generation, evaluation, speed, tracking."""
+"""The SFT run (torch, transformers, TRL): arguments, model, trainer, saving, generation, evaluation, merging, speed, tracking."""
