@@ -63,6 +63,25 @@ def test_triton_kernel_equals_the_reference_under_the_interpreter(monkeypatch):
         assert torch.equal(bits(kernel.dequantize(blocks, scales, dtype)), bits(expected)), dtype
 
 
+@pytest.mark.parametrize("transposed", [False, True], ids=["forward", "backward"])
+def test_a_projection_dequantized_a_chunk_of_experts_at_a_time_gives_the_whole_projection_s_product(monkeypatch,
+                                                                                                    transposed):
+    blocks, scales = random_packed(experts=7, outputs=24, groups=2, scales=(110, 140))
+    generator = torch.Generator().manual_seed(1)
+    offsets = torch.tensor([3, 3, 9, 10, 10, 17, 20], dtype=torch.int32)  # experts 1 and 4 get no rows
+    x = torch.randn(20, 24 if transposed else 64, generator=generator)
+    whole = mxfp4_experts.grouped_mm(x, blocks, scales, offsets, transposed)
+    dequantized = []
+    original = mxfp4_experts.dequantize_on_device
+    monkeypatch.setattr(mxfp4_experts, "dequantize_on_device",
+                        lambda *args: dequantized.append(args[0].shape[0]) or original(*args))
+    per_expert = 24 * 64 * 4  # float32 values of one expert's weight
+    monkeypatch.setattr(mxfp4_experts, "DEQUANTIZED_CHUNK_BYTES", 3 * per_expert)
+    chunked = mxfp4_experts.grouped_mm(x, blocks, scales, offsets, transposed)
+    assert dequantized == [3, 3, 1]  # never more than three experts' weights at once
+    assert torch.equal(bits(chunked), bits(whole))
+
+
 @pytest.mark.parametrize("checkpoint", ["one shard", "many shards"])
 def test_loading_keeps_the_stored_experts_packed_and_the_other_weights_as_stored(mxfp4_folder, many_shards,
                                                                                    checkpoint):
