@@ -163,6 +163,14 @@ says what to revisit and which test fails first.
   targets: torch 2.11 and 2.13 (`LambdaLR.get_lr` = base_lr * lr_lambda(last_epoch)).
   guarded by:
   test_preemption_single.py::test_a_resume_applies_a_new_learning_rate_when_asked_and_the_new_logging_cadence.
+- `deepspeed_collectives_without_compiled_op`
+  does: marks DeepSpeed's shared-memory collectives op (`deepspeed_shm_comm`) as not buildable in
+  `deepspeed.ops.__compatible_ops__`, so that DeepSpeed's communication backend does its all-reduces through
+  torch.distributed (gloo), its own path where the op cannot be built; CPU runs only.
+  why: DeepSpeed compiles that op with g++ on its first CPU run (about 2 min on 2 cores, needing ninja and a compiler)
+  to speed up all-reduces that a CPU run of a tiny model spends no time in.
+  targets: deepspeed 0.19.8 (`build_shm_op` in deepspeed/comm/torch.py reads the table).
+  guarded by: test_distributed.py::test_full_finetune_runs_the_strategy_of_its_config_file[zero2] (no op built).
 """
 
 import argparse
@@ -360,3 +368,14 @@ def _masks_from_positions(module, args, kwargs):
                                                                 position_ids=position_ids),
     }
     return args, {**kwargs, "input_ids": None, "inputs_embeds": embeddings, "attention_mask": masks}
+
+
+def deepspeed_collectives_without_compiled_op() -> None:
+    """DeepSpeed's collectives through torch.distributed (gloo) instead of its shared-memory op, which it would
+    otherwise compile on the first CPU run. Nothing to do in a run without DeepSpeed (`skip_unused_deepspeed`)."""
+    if sys.modules.get("deepspeed", False) is None:
+        return
+    import deepspeed.ops
+    from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
+
+    deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False
