@@ -253,7 +253,8 @@ def reference(tmp_path_factory, processes: int, config: str = "ddp", env: dict |
 
 def kill_positions(rng: random.Random, phases: list[str]) -> list[tuple[int, str]]:
     """One kill per phase at a seeded random step (any step for mid_step, a saving step otherwise), in the order a
-    run reaches them; all in steps 1-9, so that the relaunches after them still have steps left for a SIGTERM."""
+    run reaches them; all in steps 1-9, so that the relaunches after them still have steps left for the outside kill and
+    the SIGTERM."""
     last = MAX_STEPS - SAVE_STEPS
     positions = set()
     for phase in phases:
@@ -263,7 +264,7 @@ def kill_positions(rng: random.Random, phases: list[str]) -> list[tuple[int, str
 
 
 def wait_for_steps(launch: Launch, steps: int) -> None:
-    """Until the launch has logged `steps` losses (or ended): a moment the run itself signals, not a wall-clock delay."""
+    """Until the launch has logged `steps` losses (or ended): a moment the run signals, not a wall-clock delay."""
     while launch.steps_logged() < steps and launch.process.poll() is None:
         time.sleep(0.05)
 
@@ -282,7 +283,7 @@ def run_kill_chain(tmp: Path, processes: int, reference_dir: Path, positions, ex
         assert code == -signal.SIGKILL, f"the {phase}:{step} kill did not happen (exit {code}):\n{launch.text()[-3000:]}"
         assert_complete_checkpoints_match(output_dir, reference_dir)
         if phase in SAVE_PHASES and phase != "before_rotation":
-            assert step not in complete_checkpoints(output_dir), "a checkpoint killed while being written must not count as complete"
+            assert step not in complete_checkpoints(output_dir), "a checkpoint killed mid-write must not count as complete"
     if external_kill:
         launch = Launch(tmp, processes, output_dir, "--save_total_limit", "2", config=config)
         wait_for_steps(launch, 1)
