@@ -210,6 +210,14 @@ says what to revisit and which test fails first.
   deepspeed 0.18-0.19 (`TorchCheckpointEngine.load` calls `torch.load`), transformers 5.17-5.25, peft 0.21.
   guarded by: test_safety.py::test_a_payload_in_any_checkpoint_file_is_refused_in_one_line_and_never_runs,
   test_distributed.py (every strategy resumes its real checkpoints under it).
+- `deepspeed_collectives_without_compiled_op`
+  does: marks DeepSpeed's shared-memory collectives op (`deepspeed_shm_comm`) as not buildable in
+  `deepspeed.ops.__compatible_ops__`, so that DeepSpeed's communication backend does its all-reduces through
+  torch.distributed (gloo), its own path where the op cannot be built; CPU runs only.
+  why: DeepSpeed compiles that op with g++ on its first CPU run (about 2 min on 2 cores, needing ninja and a compiler)
+  to speed up all-reduces that a CPU run of a tiny model spends no time in.
+  targets: deepspeed 0.19.8 (`build_shm_op` in deepspeed/comm/torch.py reads the table).
+  guarded by: test_distributed.py::test_full_finetune_runs_the_strategy_of_its_config_file[zero2] (no op built).
 """
 
 import argparse
@@ -490,3 +498,12 @@ def weights_only_loads(allowed: list, refusal):
         raise
     finally:
         torch.load, filesystem.FileSystemReader.read_metadata, filesystem.pickle = load, read_metadata, pickle
+def deepspeed_collectives_without_compiled_op() -> None:
+    """DeepSpeed's collectives through torch.distributed (gloo) instead of its shared-memory op, which it would
+    otherwise compile on the first CPU run. Nothing to do in a run without DeepSpeed (`skip_unused_deepspeed`)."""
+    if sys.modules.get("deepspeed", False) is None:
+        return
+    import deepspeed.ops
+    from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
+
+    deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False

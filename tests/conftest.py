@@ -4,6 +4,7 @@ are in tests/helpers.py."""
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +17,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # `accelerate launch` without --cpu already gives its processes one; the rest (in-process runs, notebook kernels,
 # `python scripts/sft.py`, `finetune launch`) would take two.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# One folder for the ops DeepSpeed compiles on first use (CPU Adam for ZeRO-Offload), inherited by every launch: each
+# op is built once, by the first launch that needs it, while the others wait for it (torch's lock in that folder).
+# .ci/run points it at the fresh clone; locally it is kept across sessions.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "finetune" / "torch_extensions"))
 
 def pytest_configure(config):
     """Refuse the versions with which pytest-xdist's loadgroup ignores xdist_group marks (pytest-dev/pytest-xdist#1386):

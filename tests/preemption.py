@@ -253,7 +253,8 @@ def reference(tmp_path_factory, processes: int, config: str = "ddp", env: dict |
 
 def kill_positions(rng: random.Random, phases: list[str]) -> list[tuple[int, str]]:
     """One kill per phase at a seeded random step (any step for mid_step, a saving step otherwise), in the order a
-    run reaches them; all in steps 1-9, so that the relaunches after them still have steps left for a SIGTERM."""
+    run reaches them; all in steps 1-9, so that the relaunches after them still have steps left for the outside kill and
+    the SIGTERM."""
     last = MAX_STEPS - SAVE_STEPS
     positions = set()
     for phase in phases:
@@ -262,56 +263,64 @@ def kill_positions(rng: random.Random, phases: list[str]) -> list[tuple[int, str
     return sorted(positions, key=lambda position: (position[0], PHASES.index(position[1])))
 
 
-def run_kill_chain(tmp: Path, processes: int, reference_dir: Path, positions, sigterm_after_steps: int | None,
-                   external_kill_delay: float | None, config: str = "ddp") -> None:
+def wait_for_steps(launch: Launch, steps: int) -> None:
+    """Until the launch has logged `steps` losses (or ended): a moment the run signals, not a wall-clock delay."""
+    while launch.steps_logged() < steps and launch.process.poll() is None:
+        time.sleep(0.05)
+
+
+def run_kill_chain(tmp: Path, processes: int, reference_dir: Path, positions, external_kill: bool = False,
+                   config: str = "ddp") -> None:
+    """The seeded SIGKILLs in order; with `external_kill`, a SIGKILL of the whole process group from outside (the OOM
+    killer, a scheduler) while the next launch trains; a SIGTERM after one more logged step; the last relaunch then
+    ends bitwise equal to the uninterrupted run. Every launch after the first injected kill resumes from step 9 or
+    earlier, so the outside kill and the SIGTERM both land with steps still to train."""
     output_dir = tmp / "out"
     name = f"{processes}-process" if config == "ddp" else f"{processes}-process {config}"
     for step, phase in positions:
         launch = Launch(tmp, processes, output_dir, "--save_total_limit", "2", fault=f"{phase}:{step}", config=config)
         code = launch.wait()
         assert code == -signal.SIGKILL, f"the {phase}:{step} kill did not happen (exit {code}):\n{launch.text()[-3000:]}"
-        survivors = complete_checkpoints(output_dir)
-        for at_step, folder in survivors.items():
-            if (reference_dir / f"checkpoint-{at_step}").exists():  # a SIGTERM save may be at a step it did not save
-                assert_same_checkpoint(folder, reference_dir / f"checkpoint-{at_step}")
+        assert_complete_checkpoints_match(output_dir, reference_dir)
         if phase in SAVE_PHASES and phase != "before_rotation":
-            assert step not in survivors, "a checkpoint killed while being written must not count as complete"
-    if sigterm_after_steps is not None:
+            assert step not in complete_checkpoints(output_dir), "a checkpoint killed mid-write must not count as complete"
+    if external_kill:
         launch = Launch(tmp, processes, output_dir, "--save_total_limit", "2", config=config)
-        while launch.steps_logged() < sigterm_after_steps and launch.process.poll() is None:
-            time.sleep(0.05)
-        signalled = time.monotonic()
-        if processes == 1:
-            launch.kill(signal.SIGTERM)  # to the process group, as SLURM and `kill -TERM -PGID` do
-        else:
-            launch.process.send_signal(signal.SIGTERM)  # to the launcher alone: torchrun forwards it to the ranks
-        launch.wait()
-        grace = time.monotonic() - signalled
-        text = launch.text()
-        assert "SIGTERM: stopped after step" in text and f"exiting with code {PREEMPTED_EXIT_CODE}" in text, text[-3000:]
-        stopped = int(text.split("SIGTERM: stopped after step ", 1)[1].split()[0])
-        assert stopped < MAX_STEPS and checkpoint_problem(output_dir / f"checkpoint-{stopped}") is None
-        assert losses(output_dir / f"checkpoint-{stopped}") == losses(reference_dir)[:stopped], "the loss curve differs"
-        print(f"\n[preemption] {name} SIGTERM after step {stopped}: all processes gone {grace:.2f} s "
-              f"after the signal; {text.split('SIGTERM: ', 1)[1].split('Relaunch')[0].strip()}")
-        assert grace < 30, "torchrun's default grace before SIGKILL is 30 s"
-    finished_before_the_kill = False
-    if external_kill_delay is not None:
-        launch = Launch(tmp, processes, output_dir, "--save_total_limit", "2")
-        time.sleep(external_kill_delay)
-        finished_before_the_kill = launch.process.poll() == 0  # a fast machine can train the last steps in time
-        if launch.process.poll() is None:
-            launch.kill()
-        launch.wait()
-        for at_step, folder in complete_checkpoints(output_dir).items():
-            if (reference_dir / f"checkpoint-{at_step}").exists():
-                assert_same_checkpoint(folder, reference_dir / f"checkpoint-{at_step}")
+        wait_for_steps(launch, 1)
+        assert launch.process.poll() is None, f"the run ended before the outside kill:\n{launch.text()[-3000:]}"
+        launch.kill()
+        assert launch.wait() == -signal.SIGKILL
+        assert_complete_checkpoints_match(output_dir, reference_dir)
+    launch = Launch(tmp, processes, output_dir, "--save_total_limit", "2", config=config)
+    wait_for_steps(launch, 1)
+    signalled = time.monotonic()
+    if processes == 1:
+        launch.kill(signal.SIGTERM)  # to the process group, as SLURM and `kill -TERM -PGID` do
+    else:
+        launch.process.send_signal(signal.SIGTERM)  # to the launcher alone: torchrun forwards it to the ranks
+    launch.wait()
+    grace = time.monotonic() - signalled
+    text = launch.text()
+    assert "SIGTERM: stopped after step" in text and f"exiting with code {PREEMPTED_EXIT_CODE}" in text, text[-3000:]
+    stopped = int(text.split("SIGTERM: stopped after step ", 1)[1].split()[0])
+    assert stopped < MAX_STEPS and checkpoint_problem(output_dir / f"checkpoint-{stopped}") is None
+    assert losses(output_dir / f"checkpoint-{stopped}") == losses(reference_dir)[:stopped], "the loss curve differs"
+    print(f"\n[preemption] {name} SIGTERM after step {stopped}: all processes gone {grace:.2f} s "
+          f"after the signal; {text.split('SIGTERM: ', 1)[1].split('Relaunch')[0].strip()}")
+    assert grace < 30, "torchrun's default grace before SIGKILL is 30 s"
     final = Launch(tmp, processes, output_dir, "--save_total_limit", "2", config=config)
     assert final.wait() == 0, final.text()[-3000:]
-    assert ("finished already" if finished_before_the_kill else "resuming from") in final.text(), final.text()[-3000:]
+    assert f"resuming from {output_dir / f'checkpoint-{stopped}'}" in final.text(), final.text()[-3000:]
     assert_same_checkpoint(output_dir, reference_dir)
     assert_same_checkpoint(output_dir / f"checkpoint-{MAX_STEPS}", reference_dir / f"checkpoint-{MAX_STEPS}")
     assert len(list(output_dir.glob("checkpoint-*"))) <= 2, "save_total_limit: 2 still holds after the kills"
+
+
+def assert_complete_checkpoints_match(output_dir: Path, reference_dir: Path) -> None:
+    """Every complete checkpoint a kill left behind is the uninterrupted run's checkpoint of that step."""
+    for at_step, folder in complete_checkpoints(output_dir).items():
+        if (reference_dir / f"checkpoint-{at_step}").exists():  # a SIGTERM save may be at a step it did not save
+            assert_same_checkpoint(folder, reference_dir / f"checkpoint-{at_step}")
 
 
 def copy_run(source: Path, destination: Path) -> Path:

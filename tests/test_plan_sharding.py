@@ -61,7 +61,6 @@ def probe(config: str, output_dir: Path) -> list[dict]:
                str(ROOT / "tests" / "sharding_probe.py"), "--config", RECIPE, "--tiny", "--max_steps", "1",
                "--save_strategy", "no", "--eval_strategy", "no", "--report_to", "none", "--output_dir", str(output_dir)]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
-    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "finetune" / "torch_extensions"))
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     output = result.stdout + result.stderr
     assert result.returncode == 0, f"{' '.join(command)} failed ({result.returncode}):\n{output[-6000:]}"

@@ -43,10 +43,11 @@ def reference_single(tmp_path_factory):
 
 
 def test_single_process_survives_seeded_kills_and_sigterm_with_bitwise_equal_weights(tmp_path, reference_single):
-    rng = random.Random(SEED)
-    positions = kill_positions(rng, ["mid_step", "save_weights", "save_optimizer", "before_rotation"])
-    run_kill_chain(tmp_path, 1, reference_single, positions, sigterm_after_steps=1,
-                   external_kill_delay=rng.uniform(3, 15))
+    """Killed while writing a checkpoint's weights and after its marker, before the older checkpoints are deleted (the
+    other strategies' chains kill mid-step, while the optimizer state is written and before the marker); then killed
+    from outside while it trains, and stopped by SIGTERM."""
+    positions = kill_positions(random.Random(SEED), ["save_weights", "before_rotation"])
+    run_kill_chain(tmp_path, 1, reference_single, positions, external_kill=True)
 
 
 def test_sigterm_before_the_first_step_ends_the_run_at_once_with_nothing_to_save(tmp_path):
@@ -78,22 +79,31 @@ def test_relaunching_a_finished_run_says_so_and_changes_nothing(tmp_path, refere
     assert folder_digest(output_dir) == before
 
 
-def test_a_run_record_cut_short_does_not_stop_the_relaunch(tmp_path, reference_single):
+@pytest.fixture(scope="module")
+def relaunched_after_a_cut_short_final_save(tmp_path_factory, reference_single):
+    """The uninterrupted run's checkpoints without its final model's files (its final save cut short), and its run
+    record cut short too, relaunched once: the two tests below read this one launch."""
+    tmp = tmp_path_factory.mktemp("final-save-cut-short")
+    output_dir = copy_run(reference_single, tmp / "out")
+    (output_dir / "finetune_run.json").write_text('{"model_name_or_path": "meta-ll')
+    launch = Launch(tmp, 1, output_dir)
+    assert launch.wait() == 0, launch.text()[-3000:]
+    return launch, output_dir
+
+
+def test_a_run_record_cut_short_does_not_stop_the_relaunch(relaunched_after_a_cut_short_final_save, reference_single):
     """finetune_run.json was written in place: one cut short made every relaunch crash. It is written atomically now,
     and one left unreadable by an older version is written again by the relaunch, which resumes."""
-    output_dir = copy_run(reference_single, tmp_path / "out")
-    (output_dir / "finetune_run.json").write_text('{"model_name_or_path": "meta-ll')
-    launch = Launch(tmp_path, 1, output_dir)
-    assert launch.wait() == 0, launch.text()[-3000:]
+    launch, output_dir = relaunched_after_a_cut_short_final_save
     assert "finetune_run.json is unreadable; taking" in launch.text()
     assert json.loads((output_dir / "finetune_run.json").read_text())["tiny"] is True
     assert_same_checkpoint(output_dir, reference_single)
 
 
-def test_a_final_save_cut_short_is_redone_from_the_last_checkpoint_without_training_further(tmp_path, reference_single):
-    output_dir = copy_run(reference_single, tmp_path / "out")  # the final model's files gone, the checkpoints kept
-    launch = Launch(tmp_path, 1, output_dir)
-    assert launch.wait() == 0, launch.text()[-3000:]
+def test_a_final_save_cut_short_is_redone_from_the_last_checkpoint_without_training_further(
+        relaunched_after_a_cut_short_final_save, reference_single):
+    launch, output_dir = relaunched_after_a_cut_short_final_save
+    assert f"resuming from {output_dir / 'checkpoint-12'}" in launch.text(), launch.text()[-3000:]
     assert "'loss': " not in launch.text(), "a finished run trained again"
     assert_same_checkpoint(output_dir, reference_single)
 

@@ -26,5 +26,4 @@ def reference_zero3(tmp_path_factory):
 
 def test_zero3_two_processes_survive_seeded_kills_and_sigterm_with_bitwise_equal_weights(tmp_path, reference_zero3):
     rng = random.Random(SEED + 3)
-    run_kill_chain(tmp_path, 2, reference_zero3, kill_positions(rng, ["mid_step", "save_optimizer"]),
-                   sigterm_after_steps=1, external_kill_delay=None, config="zero3")
+    run_kill_chain(tmp_path, 2, reference_zero3, kill_positions(rng, ["mid_step", "save_optimizer"]), config="zero3")

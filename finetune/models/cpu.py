@@ -75,12 +75,14 @@ def prepare_cpu_process_group() -> None:
 
     The training arguments (`use_cpu`) have already created accelerate's state as a gloo process group; an FSDP
     launch then needs that state switched to FSDP before the Trainer builds its Accelerator from it: accelerate 1.15
-    switches to FSDP only from a GPU-type state and on CPU (MULTI_CPU) would wrap the model in DDP.
+    switches to FSDP only from a GPU-type state and on CPU (MULTI_CPU) would wrap the model in DDP. DeepSpeed's
+    collectives go through gloo as well, instead of the shared-memory op it would compile on its first CPU run.
     """
-    os.environ.update(CPU_ENVIRONMENT)
-    if fsdp_shim_enabled():
-        from finetune import patches
+    from finetune import patches
 
+    os.environ.update(CPU_ENVIRONMENT)
+    patches.deepspeed_collectives_without_compiled_op()
+    if fsdp_shim_enabled():
         patches.switch_cpu_state_to_fsdp()
 
 
