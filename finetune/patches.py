@@ -170,6 +170,15 @@ says what to revisit and which test fails first.
   ops, which the compiled code calls at run time rather than copying.
   targets: torch 2.11 and 2.13 (the config, and TORCHINDUCTOR_AUTOGRAD_CACHE_ALLOW_CUSTOM_AUTOGRAD, its variable).
   guarded by: test_compile_once.py::test_a_second_launch_loads_every_compiled_graph_from_the_cache.
+- `no_cpu_vector_probe`
+  does: sets `torch._inductor.config.cpp.vec_isa_ok = False` in a compiled run on a GPU.
+  why: to build the C++ kernels a GPU graph still holds (small host-side computations), inductor first asks which CPU
+  vector instructions work by compiling a probe per instruction set and, on torch 2.11, loading each in a new Python
+  that imports torch: 33 s of a warm launch's first step on the H100 (cProfile of the 3B LoRA recipe relaunched on a
+  warm cache, docs/results/first-step-2026-12-06-h100), in every process, cached nowhere. Set, inductor builds those
+  few kernels without vector instructions and asks nothing; a CPU run, whose kernels are the whole model, keeps them.
+  targets: torch 2.11 and 2.13 (`VecISA.__bool__` returns `config.cpp.vec_isa_ok` when it is not None).
+  guarded by: test_first_step.py::test_a_compiled_run_on_a_gpu_skips_the_cpu_vector_probe_and_a_cpu_run_keeps_it.
 - `CompileCacheEvents` (finetune/run/speed.py, `compile_caches`)
   does: reads `torch._dynamo.utils.counters` ("inductor": fxgraph_cache_*, "aot_autograd": autograd_cache_*) and
   listens to the loggers `torch._inductor.codecache` and `torch._functorch._aot_autograd.autograd_cache` for the
@@ -372,6 +381,12 @@ def set_activation_memory_budget(budget: float) -> None:
     from torch._functorch import config as functorch_config
 
     functorch_config.activation_memory_budget = budget
+
+
+def no_cpu_vector_probe() -> None:
+    from torch._inductor import config as inductor_config
+
+    inductor_config.cpp.vec_isa_ok = False
 
 
 def cache_graphs_with_custom_autograd_functions() -> None:

@@ -1,5 +1,6 @@
 """Time to the first step, the parts a CPU can show: DeepSpeed kept out of a run that does not use it, torch's
-compile caches in a folder that outlives /tmp, and the line that says the decoder layer compiles, and for how long."""
+compile caches in a folder that outlives /tmp, the line that says the decoder layer compiles, and for how long, a run
+too short to repay its compiling running eager, and no CPU vector probe in a compiled GPU run."""
 
 import importlib.util
 import json
@@ -7,6 +8,8 @@ import os
 import sys
 from types import SimpleNamespace
 
+import pytest
+import torch
 from transformers import TrainerControl, TrainerState
 
 
@@ -117,3 +120,15 @@ def test_a_short_run_compiles_where_this_machine_compiled_the_recipe_before(monk
     checkpointed = _gpu_run("gpt-oss-20b/lora.yaml", "--max_steps", "10", "--gradient_checkpointing", "true")
     compilation.compile_only_if_it_pays(checkpointed, "gpt-oss", rows=100_000)  # other graphs: not compiled here
     assert not checkpointed.training.torch_compile
+
+
+@pytest.mark.parametrize("gpu", [True, False], ids=["gpu", "cpu"])
+def test_a_compiled_run_on_a_gpu_skips_the_cpu_vector_probe_and_a_cpu_run_keeps_it(monkeypatch, gpu):
+    from torch._inductor import config as inductor_config
+
+    from finetune.models import compilation
+
+    monkeypatch.setattr(inductor_config.cpp, "vec_isa_ok", None)  # restored afterwards
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+    compilation.prepare_process(SimpleNamespace(torch_compile=True, gradient_checkpointing=False))
+    assert inductor_config.cpp.vec_isa_ok is (False if gpu else None)
