@@ -129,7 +129,6 @@ def launched_by_accelerate(monkeypatch, config_file: Path, flags: list[str] = ()
         environment = {}
     for name, value in {**environment, "WORLD_SIZE": "1"}.items():
         monkeypatch.setenv(name, value)
-    monkeypatch.setattr(accelerate_checks, "accelerate_launch_arguments", lambda: arguments)
     monkeypatch.setattr(launch_request, "accelerate_launch_arguments", lambda: arguments)
     values = yaml.safe_load(config_file.read_text())
     processes = 1 if values.get("distributed_type") in ("NO", "MULTI_CPU") else values.get("num_processes", 1)
@@ -202,6 +201,75 @@ def test_a_file_runs_as_it_says_or_its_contradiction_with_the_recipe_is_refused(
     accelerate_checks.check_run(run)
     printed = capsys.readouterr().out
     assert (note in printed) if note else "[finetune]" not in printed, printed
+
+
+ZERO2_FILES = ("zero2.yaml", "zero2.json")  # accelerate_configs/zero2.yaml and the DeepSpeed JSON it names
+
+
+def counting_reads(monkeypatch, names: tuple[str, ...]) -> tuple[dict, list]:
+    """How many times each file named `names` is opened from now on, while the returned switch holds True (every read
+    goes through io.open: `open`, Path.read_text, yaml and json loaders on open files), where from."""
+    import builtins
+    import io
+
+    counts, counting, real_open = dict.fromkeys(names, 0), [True], io.open
+
+    def counted_open(file, *args, **kwargs):
+        name = Path(os.fspath(file)).name if isinstance(file, (str, os.PathLike)) else None
+        if counting[0] and name in counts:
+            counts[name] += 1
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(io, "open", counted_open)
+    monkeypatch.setattr(builtins, "open", counted_open)
+    return counts, counting
+
+
+def test_a_training_process_reads_the_accelerate_config_and_its_deepspeed_json_once(tmp_path, monkeypatch):
+    """The launch is read once (launch_request.read_exported_launch) and carried on the run: the parse and every check
+    of a ZeRO-2 run, as accelerate's launcher starts its training process, read the launcher's arguments, the
+    accelerate config and its DeepSpeed JSON once each, and the checks (checks/launch.py's check_run among them)
+    none of them again."""
+    from finetune.config import launch_request
+
+    monkeypatch.chdir(ROOT)
+    launched_by_accelerate(monkeypatch, ROOT / "accelerate_configs" / "zero2.yaml")
+    argument_reads, read_arguments = [], launch_request.accelerate_launch_arguments
+    monkeypatch.setattr(launch_request, "accelerate_launch_arguments",
+                        lambda: argument_reads.append(1) or read_arguments())
+    counts, _ = counting_reads(monkeypatch, ZERO2_FILES)
+    run = arguments.parse_args([*TINY, "--output_dir", str(tmp_path / "out")])
+    assert run.launch.strategy == "zero2" and run.launch.request.file.endswith("zero2.yaml")
+    recipe_checks.check(run)
+    assert counts == {"zero2.yaml": 1, "zero2.json": 1}
+    assert len(argument_reads) == 1
+
+
+def test_finetune_checks_training_side_reads_the_accelerate_config_and_its_deepspeed_json_once(tmp_path,
+                                                                                               monkeypatch, capsys):
+    """`finetune check --config_file accelerate_configs/zero2.yaml`: what stands for the training process (the parse
+    and every check of the run) reads each launch file once; the launcher's side of the command reads them as
+    `finetune launch` does."""
+    from finetune import cli
+    from finetune.commands import check
+
+    monkeypatch.chdir(ROOT)
+    counts, counting = counting_reads(monkeypatch, ZERO2_FILES)
+    counting[0] = False
+    checked = check.problems_before_loading
+
+    def counted(*args):
+        counting[0] = True
+        try:
+            return checked(*args)
+        finally:
+            counting[0] = False
+
+    monkeypatch.setattr(check, "problems_before_loading", counted)
+    code = cli.main(["check", "--config_file", "accelerate_configs/zero2.yaml", *TINY,
+                     "--output_dir", str(tmp_path / "out")])
+    assert code == 0, capsys.readouterr().err
+    assert counts == {"zero2.yaml": 1, "zero2.json": 1}
 
 
 def float32_recipe(tmp: Path) -> list[str]:

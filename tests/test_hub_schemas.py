@@ -137,6 +137,29 @@ def test_preference_rows_train_every_chosen_answer_and_no_rejected_one_and_say_s
     assert "`rejected` dropped" in said[0]
 
 
+def emptied(side):
+    """A preference row's side with its answer emptied."""
+    return [*side[:-1], {**side[-1], "content": ""}] if isinstance(side, list) else ""
+
+
+@pytest.mark.parametrize("name", PREFERENCE_DATASETS)
+def test_a_bad_preference_row_is_named_by_its_chosen_column_and_removed_as_told_the_rest_trains(name, tmp_path):
+    """The chosen side reaches TRL renamed (`messages`, `completion` or `text`), but the refusal names the column the
+    file has, and its fix, followed literally, loads."""
+    rows = [json.loads(line) for line in (DATASETS / name).read_text().splitlines()]
+    rows[1]["chosen"] = emptied(rows[1]["chosen"])
+    path = tmp_path / name
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with pytest.raises(UserError) as refused:
+        load(path)
+    said = str(refused.value)
+    assert "row 2" in said and "`chosen`" in said and "remove the row" in said, said
+    assert not any(f"`{column}`" in said for column in ("messages", "prompt", "completion", "text")), said
+    path.write_text("".join(json.dumps(row) + "\n" for number, row in enumerate(rows, start=1) if number != 2))
+    train, _ = load(path)
+    assert len(train) == len(rows) - 1
+
+
 def test_preference_rows_mapped_as_their_refusal_says_train_each_chosen_answer_after_its_question():
     """Intel/orca_dpo_pairs holds its prompt as `question`: the refusal names the mapping, which, written as told,
     trains the chosen answers."""
@@ -156,7 +179,7 @@ def test_the_columns_trl_sees_are_the_same_whatever_the_hash_seed():
     conversation reaches TRL, under any seed (the conversion alone, without torch or trl, keeps this quick)."""
     probe = ("from datasets import load_dataset\nfrom finetune.data.formats import to_trl_format\n"
              f"rows = load_dataset({str(DATASETS / 'ultrachat_200k')!r})['train_sft']\n"
-             "print('columns', to_trl_format(rows, 'ultrachat_200k').column_names)\n")
+             "print('columns', to_trl_format(rows, 'ultrachat_200k')[0].column_names)\n")
     runs = [subprocess.Popen([sys.executable, "-c", probe], cwd=ROOT, env={**os.environ, "PYTHONHASHSEED": seed},
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for seed in ("1", "2")]
     seen = []

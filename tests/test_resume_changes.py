@@ -317,6 +317,23 @@ def test_a_checkpoint_of_another_run_folder_is_compared_with_that_run(record, tm
     relaunch(tmp_path / "new", *resumed, "--lora_r", "8")
 
 
+def test_a_checkpoint_of_another_run_refused_says_to_drop_the_flag_and_dropping_it_trains_a_new_run(tmp_path):
+    """A new --output_dir would resume that checkpoint all the same: the way out the refusal gives is dropping
+    --resume_from_checkpoint, and the relaunch without it trains a new run, the other run's folder untouched."""
+    other = run_folder(tmp_path / "other", "--lora_r", "8")
+    before = folder_digest(other)
+    resumed = ["--resume_from_checkpoint", str(other / "checkpoint-4")]
+    with pytest.raises(UserError) as refused:
+        relaunch(tmp_path / "new", *resumed)
+    sentence = str(refused.value)
+    assert sentence.startswith(f"{other / 'checkpoint-4'} (--resume_from_checkpoint): "), sentence
+    assert "or drop --resume_from_checkpoint to train a new run." in sentence and "--output_dir" not in sentence
+    with pytest.raises(UserError):  # what the old advice, a new --output_dir, still meets
+        relaunch(tmp_path / "newer", *resumed)
+    assert relaunch(tmp_path / "new").resumes_from is None
+    assert folder_digest(other) == before
+
+
 def finished_without_checkpoints(tmp_path: Path) -> Path:
     """A run that finished at step 4 with `save_strategy: no`: its final model and marker, no checkpoint."""
     output_dir = run_folder(tmp_path)

@@ -6,24 +6,23 @@ the training processes. Some of them this toolkit does not run: context, sequenc
 (`parallelism_config`), accelerate's own FP8, distributed types other than NO, MULTI_GPU, FSDP and DEEPSPEED, and
 several processes under a launcher that starts one. Others the recipe overrides or contradicts: mixed precision,
 DeepSpeed's accumulation and clipping, dynamo compilation, FSDP's activation checkpointing. The request, a file's
-fields with the launcher's flags on top, is read here from the launcher's arguments: by `finetune launch` from the
-command it is about to run, which it passes on to the training processes; under a plain `accelerate launch`, from
-that launcher's command line (config_files.accelerate_launch_arguments). `check_request` needs only the request;
+fields with the launcher's flags on top, is read from the launcher's arguments (config/launch_request.py): by
+`finetune launch` from the command it is about to run, which it passes on to the training processes; in a training
+process once, with the rest of the launch, and carried on the run. `check_request` needs only the request;
 `check_run` also compares it with the parsed recipe.
 """
 
 import json
 import os
-from dataclasses import dataclass
-from pathlib import Path
 
 from finetune import patches
-from finetune.config.files import read_yaml_mapping
 from finetune.config.launch_request import (
     FIELDS_NOT_BESIDE_DEEPSPEED_FILE,
-    accelerate_launch_arguments,
+    LaunchRequest,
     fields_beside_deepspeed_file_refusal,
+    launcher_parser,
     read_deepspeed_config,
+    request_from_command,
 )
 from finetune.errors import UserError, say
 from finetune.models import cpu
@@ -33,10 +32,6 @@ RUNNABLE_TYPES = ("NO", "MULTI_GPU", "FSDP", "DEEPSPEED")
 
 # accelerate's launcher starts one process for these, whatever num_processes says (several CPU ones only via mpirun)
 ONE_PROCESS_TYPES = ("NO", "MULTI_CPU")
-
-
-# The sections whose fields accelerate's launcher reads under a prefix (`fsdp_config: {version: 2}` is fsdp_version)
-SECTION_PREFIXES = {"fsdp_config": "fsdp_", "fp8_config": "fp8_", "dynamo_config": "dynamo_"}
 
 
 PARALLELISM_PREFIX = "parallelism_config_"
@@ -72,85 +67,6 @@ def check_transformers_strategy_arguments(flags: set[str], recipe_keys: set[str]
         if name in flags or name in recipe_keys:
             source = "command line" if name in flags else recipe_path
             raise UserError(f"{source}: `{name}` {why}.")
-
-
-@dataclass
-class LaunchRequest:
-    """What one launch asks accelerate for: its config file's fields, and the flags of the launcher's command line,
-    which win, both under the names accelerate's launcher gives them."""
-    file: str | None
-    fields: dict
-    flags: dict
-
-    @property
-    def source(self) -> str:
-        return self.file or "the accelerate launch command line"
-
-    def value(self, name: str, default=None):
-        if name in self.flags:
-            return self.flags[name]
-        return _as_launcher_arguments(self.fields).get(name, default)
-
-    def written(self, name: str) -> str:
-        """How the user wrote a field: `--flag value` on the command line, `field: value` in the file."""
-        value = self.value(name)
-        shown = str(value).lower() if isinstance(value, bool) else value  # as YAML and the flags spell it
-        return f"`--{name} {shown}`" if name in self.flags else f"`{name}: {shown}`"
-
-    def distributed_type(self) -> str:
-        flags = (("cpu", "NO"), ("use_deepspeed", "DEEPSPEED"), ("use_fsdp", "FSDP"), ("multi_gpu", "MULTI_GPU"))
-        for flag, kind in flags:
-            if self.flags.get(flag):
-                return kind
-        if self.file is None:  # accelerate's own choice without a file: several GPUs for several processes
-            import torch
-
-            several = (self.value("num_processes") or 1) > 1 and torch.cuda.device_count() > 1
-            return "MULTI_GPU" if several else "NO"
-        return str(self.fields.get("distributed_type", "NO"))
-
-
-def _as_launcher_arguments(fields: dict) -> dict:
-    """A config file's fields as accelerate's launcher copies them into its arguments: a section's under its prefix."""
-    flat = {}
-    for key, value in fields.items():
-        if isinstance(value, dict):
-            prefix = SECTION_PREFIXES.get(key, "")
-            flat.update({name if name.startswith(prefix) else prefix + name: item for name, item in value.items()})
-        else:
-            flat[key] = value
-    return flat
-
-
-def _launcher_parser():
-    from accelerate.commands.launch import launch_command_parser
-
-    return launch_command_parser()
-
-
-def request_from_command(arguments: list[str], default_file: str | None) -> LaunchRequest | None:
-    """The request of `accelerate launch ARGUMENTS` as accelerate reads it: the --config_file, else `default_file` when
-    it exists, with the flags given. None when accelerate could not parse the command (it then says why itself)."""
-    try:
-        args = _launcher_parser().parse_args(arguments)
-    except SystemExit:
-        return None
-    given = patches.launcher_flags_given(args) - {"config_file", "training_script", "training_script_args", "quiet"}
-    flags = {name: getattr(args, name) for name in sorted(given)}
-    default_found = default_file and Path(default_file).is_file() and not args.cpu
-    file = args.config_file or (default_file if default_found else None)
-    fields = read_yaml_mapping(file, "accelerate config", "pass one of accelerate_configs/*.yaml") if file else {}
-    return LaunchRequest(file, fields, flags)
-
-
-def request_of_this_process() -> LaunchRequest | None:
-    """The request of the `accelerate launch` that started this training process, None when none did."""
-    arguments = accelerate_launch_arguments()
-    if arguments is None:
-        return None
-    from accelerate.commands.config.config_args import default_config_file
-
-    return request_from_command(arguments, default_config_file)
 
 
 def check_request(request: LaunchRequest, processes: int, check_json: bool = True) -> list[str]:
@@ -302,7 +218,7 @@ def _check_parallelism(request: LaunchRequest, kind: str, processes: int) -> Non
     if not isinstance(section, dict):
         raise UserError(f"{request.source}: `parallelism_config` must be a mapping of parallelism_config_* fields; "
                         f"rewrite it as one or remove it.")
-    known = {action.dest for action in patches.parser_actions(_launcher_parser())
+    known = {action.dest for action in patches.parser_actions(launcher_parser())
              if action.dest.startswith(PARALLELISM_PREFIX)}
     for key in section:
         if key not in known:
@@ -345,9 +261,9 @@ def _check_fp8(request: LaunchRequest) -> None:
 
 
 def check_run(run) -> None:
-    """The request of the `accelerate launch` that started this process, checked and compared with the parsed recipe
-    before anything loads; its notes printed once."""
-    request = request_of_this_process()
+    """The request of the `accelerate launch` that started this process (read once with the launch, carried on the
+    run), checked and compared with the parsed recipe before anything loads; its notes printed once."""
+    request = run.launch.request
     if request is None:
         return
     notes = check_request(request, launched_processes(), check_json=False)

@@ -7,7 +7,8 @@ import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from finetune.config.files import local_or_shipped
+from finetune import patches
+from finetune.config.files import local_or_shipped, read_yaml_mapping
 from finetune.errors import UserError
 
 # The arguments `finetune launch` gave `accelerate launch`, passed on to the training processes as a JSON list
@@ -43,7 +44,11 @@ def accelerate_launch_arguments() -> list[str] | None:
 
 def accelerate_config_file() -> str:
     """The --config_file `accelerate launch` was given, for error messages."""
-    arguments = accelerate_launch_arguments()
+    return config_file_named(accelerate_launch_arguments())
+
+
+def config_file_named(arguments: list[str] | None) -> str:
+    """The --config_file of `accelerate launch ARGUMENTS`, or words for none, for error messages."""
     if arguments is None:
         return "the accelerate config file"
     for index, arg in enumerate(arguments[:-1]):
@@ -86,7 +91,7 @@ def read_deepspeed_config(config_file: str, accelerate_file: str | None = None,
     exported = os.environ.get("ACCELERATE_CONFIG_DS_FIELDS", "").split(",")
     beside = [field for field in FIELDS_NOT_BESIDE_DEEPSPEED_FILE if field in exported]
     if beside:
-        raise fields_beside_deepspeed_file_refusal(accelerate_config_file(), config_file, beside)
+        raise fields_beside_deepspeed_file_refusal(accelerate_file or accelerate_config_file(), config_file, beside)
     try:
         values = json.loads(path.read_text())
     except json.JSONDecodeError as error:
@@ -128,6 +133,88 @@ def asked_deepspeed_file() -> str | None:
     return (os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or None) if deepspeed_asked_for() else None
 
 
+# The sections whose fields accelerate's launcher reads under a prefix (`fsdp_config: {version: 2}` is fsdp_version)
+SECTION_PREFIXES = {"fsdp_config": "fsdp_", "fp8_config": "fp8_", "dynamo_config": "dynamo_"}
+
+
+@dataclass
+class LaunchRequest:
+    """What one launch asks accelerate for: its config file's fields, and the flags of the launcher's command line,
+    which win, both under the names accelerate's launcher gives them."""
+    file: str | None
+    fields: dict
+    flags: dict
+
+    @property
+    def source(self) -> str:
+        return self.file or "the accelerate launch command line"
+
+    def value(self, name: str, default=None):
+        if name in self.flags:
+            return self.flags[name]
+        return _as_launcher_arguments(self.fields).get(name, default)
+
+    def written(self, name: str) -> str:
+        """How the user wrote a field: `--flag value` on the command line, `field: value` in the file."""
+        value = self.value(name)
+        shown = str(value).lower() if isinstance(value, bool) else value  # as YAML and the flags spell it
+        return f"`--{name} {shown}`" if name in self.flags else f"`{name}: {shown}`"
+
+    def distributed_type(self) -> str:
+        flags = (("cpu", "NO"), ("use_deepspeed", "DEEPSPEED"), ("use_fsdp", "FSDP"), ("multi_gpu", "MULTI_GPU"))
+        for flag, kind in flags:
+            if self.flags.get(flag):
+                return kind
+        if self.file is None:  # accelerate's own choice without a file: several GPUs for several processes
+            import torch
+
+            several = (self.value("num_processes") or 1) > 1 and torch.cuda.device_count() > 1
+            return "MULTI_GPU" if several else "NO"
+        return str(self.fields.get("distributed_type", "NO"))
+
+
+def _as_launcher_arguments(fields: dict) -> dict:
+    """A config file's fields as accelerate's launcher copies them into its arguments: a section's under its prefix."""
+    flat = {}
+    for key, value in fields.items():
+        if isinstance(value, dict):
+            prefix = SECTION_PREFIXES.get(key, "")
+            flat.update({name if name.startswith(prefix) else prefix + name: item for name, item in value.items()})
+        else:
+            flat[key] = value
+    return flat
+
+
+def launcher_parser():
+    from accelerate.commands.launch import launch_command_parser  # torch: only where a launch is read
+
+    return launch_command_parser()
+
+
+def request_from_command(arguments: list[str], default_file: str | None) -> LaunchRequest | None:
+    """The request of `accelerate launch ARGUMENTS` as accelerate reads it: the --config_file, else `default_file` when
+    it exists, with the flags given. None when accelerate could not parse the command (it then says why itself)."""
+    try:
+        args = launcher_parser().parse_args(arguments)
+    except SystemExit:
+        return None
+    given = patches.launcher_flags_given(args) - {"config_file", "training_script", "training_script_args", "quiet"}
+    flags = {name: getattr(args, name) for name in sorted(given)}
+    default_found = default_file and Path(default_file).is_file() and not args.cpu
+    file = args.config_file or (default_file if default_found else None)
+    fields = read_yaml_mapping(file, "accelerate config", "pass one of accelerate_configs/*.yaml") if file else {}
+    return LaunchRequest(file, fields, flags)
+
+
+def _request_of(arguments: list[str] | None) -> LaunchRequest | None:
+    """The request of the `accelerate launch` given ARGUMENTS that started this training process, None when none did."""
+    if arguments is None:
+        return None
+    from accelerate.commands.config.config_args import default_config_file
+
+    return request_from_command(arguments, default_config_file)
+
+
 @dataclass(frozen=True)
 class ExportedLaunch:
     """What the launch asked for, read once (`read_exported_launch`, when the run's arguments are parsed) and carried
@@ -140,13 +227,17 @@ class ExportedLaunch:
     world_size: int
     fsdp_activation_checkpointing: bool  # the file asks accelerate to wrap each layer in a checkpoint
     asked_by: str | None = None  # what picked the strategy (a file, or transformers' `deepspeed`); None: nothing did
+    request: LaunchRequest | None = None  # the accelerate config's fields as read and the launcher's flags
 
 
 def read_exported_launch() -> ExportedLaunch:
-    """The launch request of this process, from accelerate's exported variables and its launcher's arguments. A
-    DeepSpeed JSON that cannot be used is the one-sentence UserError of `read_deepspeed_config`."""
+    """The launch request of this process, from accelerate's exported variables and its launcher's arguments, each
+    file the launch names (the accelerate config, the DeepSpeed JSON) read here once. A DeepSpeed JSON that cannot be
+    used is the one-sentence UserError of `read_deepspeed_config`."""
+    arguments = accelerate_launch_arguments()
+    config_file = config_file_named(arguments)
     deepspeed_file = asked_deepspeed_file()
-    deepspeed_config = read_deepspeed_config(deepspeed_file) if deepspeed_file else None
+    deepspeed_config = read_deepspeed_config(deepspeed_file, config_file) if deepspeed_file else None
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if fsdp_asked_for():
         strategy = "fsdp"
@@ -157,10 +248,9 @@ def read_exported_launch() -> ExportedLaunch:
         strategy = f"zero{stage}"
     else:
         strategy = "ddp" if world_size > 1 else "single"
-    config_file = accelerate_config_file()
     return ExportedLaunch(strategy, config_file, deepspeed_file, deepspeed_config, world_size,
                           fsdp_activation_checkpointing_asked_for(),
-                          config_file if strategy not in ("ddp", "single") else None)
+                          config_file if strategy not in ("ddp", "single") else None, _request_of(arguments))
 
 
 def with_deepspeed_argument(launch: ExportedLaunch, asked: str | dict | None, source: str) -> ExportedLaunch:

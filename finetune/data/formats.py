@@ -137,13 +137,16 @@ def apply_columns(dataset: Dataset, source: str, columns: dict | list | None) ->
     return dataset.rename_columns(columns)
 
 
-def to_trl_format(dataset: Dataset, source: str, columns: dict | list | None = None) -> Dataset:
+def to_trl_format(dataset: Dataset, source: str,
+                  columns: dict | list | None = None) -> tuple[Dataset, dict[str, str]]:
     """The rows in one of TRL's formats and nothing else: mapped columns, then instruction, ShareGPT, Capybara or oasst
     rows converted to `messages` (one printed line says which and how many); rows already in a TRL format keep their
-    format's columns (and the chat template values TRL reads) and lose the rest."""
+    format's columns (and the chat template values TRL reads) and lose the rest. Beside them, each TRL column that is
+    one of the data's own under another name (preference rows' `chosen`), for the row checks to name what the user
+    has."""
     dataset = apply_columns(dataset, source, columns)
     if len(dataset) == 0:
-        return dataset
+        return dataset, {}
     shape = _uniform_shape(dataset, source)
     if shape in TRL_COLUMNS:
         kept = TRL_COLUMNS[shape] + [column for column in TRL_EXTRAS if column in dataset.column_names]
@@ -151,9 +154,9 @@ def to_trl_format(dataset: Dataset, source: str, columns: dict | list | None = N
         if unused:
             say(f"{source}: training on {' + '.join(f'`{column}`' for column in TRL_COLUMNS[shape])}; columns not "
                  f"used: {unused}")
-        return dataset.select_columns(kept)
+        return dataset.select_columns(kept), {}
     if shape == "oasst":
-        return _oasst_conversations(dataset, source)
+        return _oasst_conversations(dataset, source), {}
     if shape == "preference":
         return _chosen_rows(dataset, source)
     label = shape if shape in INSTRUCTION_COLUMNS else _turn_style(dataset[0][shape], shape)
@@ -164,7 +167,7 @@ def to_trl_format(dataset: Dataset, source: str, columns: dict | list | None = N
     passed_over = [column for column in dataset.column_names if column in ("messages", "prompt", "completion", "text")]
     say(f"{source}: {label} rows found; {len(converted)} rows converted to `messages`"
          + (f" (not used: {passed_over})" if passed_over else ""))
-    return converted
+    return converted, {}
 
 
 def _row_shape(row: dict) -> str | None:
@@ -231,7 +234,7 @@ def _suggested_mapping(row: dict) -> str:
     return "{dialog: messages}"
 
 
-def _chosen_rows(dataset: Dataset, source: str) -> Dataset:
+def _chosen_rows(dataset: Dataset, source: str) -> tuple[Dataset, dict[str, str]]:
     """Preference rows trained as SFT on their chosen side, as alignment-handbook's SFT recipes train on preference
     data, and said in one line: a chosen conversation as `messages`, a `prompt` with its chosen answer (text or turns)
     as `prompt` + `completion`, a chosen text holding the whole exchange (Anthropic/hh-rlhf's) as `text`. Told from the
@@ -254,7 +257,8 @@ def _chosen_rows(dataset: Dataset, source: str) -> Dataset:
     unused = [column for column in dataset.column_names if column not in kept and column != "rejected"]
     say(f"{source}: preference rows (`chosen` and `rejected`) found; training on {trained} ({len(dataset)} rows), "
         f"`rejected` dropped" + (f" (not used either: {unused})" if unused else ""))
-    return dataset.select_columns(kept).rename_columns({old: new for old, new in columns.items() if old != new})
+    renamed = {old: new for old, new in columns.items() if old != new}
+    return dataset.select_columns(kept).rename_columns(renamed), {new: old for old, new in renamed.items()}
 
 
 def _text(value, source: str, number: int, where: str) -> str:

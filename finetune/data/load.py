@@ -189,8 +189,7 @@ def _cuts_rows(training: SFTConfig) -> bool:
 def _checked_split(splits: DatasetDict, name: str, split: str, columns, length_tokenizer, max_length, tokenizer,
                    chat_template_kwargs, answer_tokenizer) -> Dataset:
     source = f"{name} [{split}]"
-    rows = data_formats.to_trl_format(splits[split], source, columns)
-    row_checks.check_rows(rows, source)
+    rows = row_checks.trl_rows(splits[split], source, columns)
     rows = row_checks.with_chat_template_kwargs(rows, chat_template_kwargs)
     if tokenizer is not None:
         row_checks.check_reasoning_traces(rows, source, tokenizer, max_length)
@@ -297,6 +296,4 @@ def load_split(name: str, split: str, config_name: str | None = None) -> Dataset
         split = next(iter(splits))
     if split not in splits:
         raise UserError(f"{name}: no split named `{split}` (it has {sorted(splits)}); pass --split with one of them.")
-    rows = data_formats.to_trl_format(splits[split], f"{name} [{split}]")
-    row_checks.check_rows(rows, f"{name} [{split}]")
-    return rows
+    return row_checks.trl_rows(splits[split], f"{name} [{split}]")

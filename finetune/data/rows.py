@@ -94,8 +94,18 @@ def _token_count(row: dict, tokenizer) -> int:
     return len(tokenizer(row["prompt"] + row["completion"])["input_ids"]) + 1
 
 
-def check_rows(dataset: Dataset, source: str) -> None:
-    """Refuse the first row that TRL cannot train on correctly, naming its number and what to fix."""
+def trl_rows(dataset: Dataset, source: str, columns: dict | list | None = None) -> Dataset:
+    """The rows in one of TRL's formats (data_formats.to_trl_format), each checked, a problem named in the columns the
+    data has."""
+    rows, named = data_formats.to_trl_format(dataset, source, columns)
+    check_rows(rows, source, named)
+    return rows
+
+
+def check_rows(dataset: Dataset, source: str, named: dict[str, str] | None = None) -> None:
+    """Refuse the first row that TRL cannot train on correctly, naming its number and what to fix; `named` gives the
+    column the data has for a TRL column renamed from it (preference rows' `chosen` as `messages`), which is the one
+    a refusal names."""
     data_format = data_formats.trl_format(dataset.column_names)
     if data_format is None:
         raise UserError(
@@ -104,53 +114,59 @@ def check_rows(dataset: Dataset, source: str) -> None:
         )
     if len(dataset) == 0:
         raise UserError(f"{source}: the split has no rows; point --dataset_name at data with examples.")
+    named = named or {}
     columns = data_formats.TRL_COLUMNS[data_format]
+    wanted = [named.get(column, column) for column in columns]
     for index, row in enumerate(dataset):
         missing = [column for column in columns if row.get(column) is None]
         if missing:  # rows of several formats in one file: `datasets` fills the other format's columns with None
-            present = sorted(key for key, value in row.items() if value is not None)
-            raise UserError(f"{source}: row {index + 1} has no `{missing[0]}` (it has {present}); the rows are "
-                            f"{data_format} rows, so give every row `{'` and `'.join(columns)}`.")
-        problem = _row_problem(row, data_format) or _extras_problem(row)
+            present = sorted(named.get(key, key) for key, value in row.items() if value is not None)
+            raise UserError(f"{source}: row {index + 1} has no `{named.get(missing[0], missing[0])}` (it has "
+                            f"{present}); the rows are {data_format} rows, so give every row "
+                            f"`{'` and `'.join(wanted)}`.")
+        problem = _row_problem(row, data_format, named) or _extras_problem(row)
         if problem:
             raise UserError(f"{source}: row {index + 1} {problem}.")
 
 
-def _row_problem(row: dict, data_format: str) -> str | None:
+def _row_problem(row: dict, data_format: str, named: dict[str, str]) -> str | None:
     if data_format == "messages":
-        return _conversation_problem(row["messages"], "messages")
+        return _conversation_problem(row["messages"], named.get("messages", "messages"))
     if data_format == "text":
-        return _not_text(row["text"], "`text`") or (
-            None if row["text"].strip() else "has an empty `text`; remove the row")
-    for column in ("prompt", "completion"):
+        text = named.get("text", "text")
+        return _not_text(row["text"], f"`{text}`") or (
+            None if row["text"].strip() else f"has an empty `{text}`; remove the row")
+    prompt, completion = named.get("prompt", "prompt"), named.get("completion", "completion")
+    for column, name in (("prompt", prompt), ("completion", completion)):
         value = row[column]
         if isinstance(value, list):
-            problem = turns_problem(value, column)
+            problem = turns_problem(value, name)
         else:
-            problem = _not_text(value, f"`{column}`") or (
-                None if value.strip() else f"has an empty `{column}`; fill it or remove the row")
+            problem = _not_text(value, f"`{name}`") or (
+                None if value.strip() else f"has an empty `{name}`; fill it or remove the row")
         if problem:
             return problem
     if isinstance(row["prompt"], list) != isinstance(row["completion"], list):
-        return ("has a `prompt` and a `completion` of which one is a list of turns and the other text, which TRL "
-                "cannot render together; give both as turns or both as text")
+        return (f"has a `{prompt}` and a `{completion}` of which one is a list of turns and the other text, which TRL "
+                f"cannot render together; give both as turns or both as text")
     if isinstance(row["prompt"], list):
-        return _exchange_problem(row["prompt"], row["completion"])
+        return _exchange_problem(row["prompt"], row["completion"], prompt, completion)
     return None
 
 
-def _exchange_problem(prompt: list, completion: list) -> str | None:
+def _exchange_problem(prompt: list, completion: list, prompt_name: str, completion_name: str) -> str | None:
     """A prompt and completion of turns: the completion is what is trained, so it holds the answer (assistant turns,
     and the tool turns between them), and the two read as one conversation in order."""
     for position, turn in enumerate(completion, start=1):
         if turn["role"] not in ("assistant", "tool"):
-            return (f"turn {position} of `completion` is a {turn['role']!r} turn, which would be trained as the "
-                    f"answer; keep the answer's assistant (and tool) turns in `completion` and move the rest to "
-                    f"`prompt`")
+            return (f"turn {position} of `{completion_name}` is a {turn['role']!r} turn, which would be trained as the "
+                    f"answer; keep the answer's assistant (and tool) turns in `{completion_name}` and move the rest "
+                    f"to `{prompt_name}`")
     if all(turn["role"] != "assistant" for turn in completion):
-        return "has no assistant turn in `completion`, so there is nothing to learn; add one or remove the row"
-    places = [("prompt", position, turn["role"]) for position, turn in enumerate(prompt, start=1)]
-    places += [("completion", position, turn["role"]) for position, turn in enumerate(completion, start=1)]
+        return (f"has no assistant turn in `{completion_name}`, so there is nothing to learn; add one or remove the "
+                f"row")
+    places = [(prompt_name, position, turn["role"]) for position, turn in enumerate(prompt, start=1)]
+    places += [(completion_name, position, turn["role"]) for position, turn in enumerate(completion, start=1)]
     return _order_problem(places)
 
 
