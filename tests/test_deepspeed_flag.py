@@ -3,7 +3,8 @@ that transformers, LLaMA-Factory and DeepSpeed ship (tests/data/external/configs
 a launch that asked for no strategy of its own (torchrun, `accelerate launch` with a MULTI_GPU file), or are refused
 in one sentence whose fix, applied literally, leaves nothing to refuse; an accelerate config asking for another
 strategy is refused naming both. Every JSON is checked in this process with the environment its launcher exports (the
-checks a run makes before loading); one real torchrun and one real `accelerate launch` train two CPU processes."""
+checks a run makes before loading); one real torchrun, one real `accelerate launch` and one real `deepspeed` launcher
+train two CPU processes."""
 
 import json
 import os
@@ -205,3 +206,14 @@ def test_accelerate_launch_with_a_multi_gpu_file_trains_transformers_zero2_json_
     assert (setup["optimizer"], setup["lr_schedule"], setup["offload"]) == (
         "DeepSpeedCPUAdam", "cosine", {"optimizer": "cpu"}), setup
     assert printed.count("gives way to the recipe's") == 2, printed
+
+
+@pytest.mark.launches
+def test_deepspeeds_own_launcher_starts_two_cpu_processes_that_train_as_the_flag_asks(tmp_path):
+    """`deepspeed --num_gpus 2 scripts/sft.py ... --deepspeed ds.json`, DeepSpeed's accelerator set to the CPU: its
+    launcher starts two processes, each given `--local_rank`, which the parse takes as transformers' own argument."""
+    json_file = ROOT / "ds_configs" / "zero2.json"
+    deepspeed = str(Path(ACCELERATE).with_name("deepspeed"))
+    setup = printed_setup(trained(["env", "DS_ACCELERATOR=cpu", deepspeed, "--num_gpus", "2", "--master_port",
+                                   str(free_port())], json_file, tmp_path / "out"))
+    assert (setup["world_size"], setup["strategy"], setup["strategy_from"]) == (2, "zero2", f"--deepspeed {json_file}")
