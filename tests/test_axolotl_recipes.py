@@ -5,6 +5,7 @@ what to write instead; `--tiny` trains one on the bundled sample."""
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import yaml
@@ -23,7 +24,9 @@ AXOLOTL = EXTERNAL / "axolotl" / "examples"
 LORA_1B = AXOLOTL / "llama-3" / "lora-1b.yml"
 LIGER_FSDP = AXOLOTL / "llama-3" / "fft-8b-liger-fsdp.yaml"
 GPT_OSS_LORA = AXOLOTL / "gpt-oss" / "gpt-oss-20b-sft-lora-singlegpu.yaml"
-RUNNABLE = [LORA_1B, AXOLOTL / "llama-3" / "qlora-1b.yml", AXOLOTL / "llama-3" / "fft-8b.yaml", GPT_OSS_LORA,
+LORA_8B = AXOLOTL / "llama-3" / "lora-8b.yml"
+FFT_1B_FSDP = EXTERNAL / "axolotl-1947fix" / "examples" / "llama-3" / "fft-1b-fsdp.yml"
+RUNNABLE = [LORA_1B, AXOLOTL / "llama-3" / "qlora-1b.yml", AXOLOTL / "llama-3" / "fft-8b.yaml", GPT_OSS_LORA, LORA_8B,
             EXTERNAL / "axolotl-2025" / "examples" / "llama-3" / "lora-1b.yml"]
 
 
@@ -38,7 +41,7 @@ def expected_settings(written: dict) -> dict:
         "optim": written["optimizer"], "lr_scheduler_type": written["lr_scheduler"],
         "learning_rate": float(written["learning_rate"]), "warmup_steps": written["warmup_ratio"],
         "use_peft": lora, "load_in_4bit": written.get("adapter") == "qlora", "assistant_only_loss": True,
-        "save_strategy": "epoch", "save_total_limit": 4, "output_dir": written["output_dir"],
+        "save_total_limit": 4, "output_dir": written["output_dir"],
         "dataset_mixture": {
             "datasets": [{"path": written["datasets"][0]["path"], "split": "train", "test_split": None}],
             **({"test_split_size": written["val_set_size"]} if written["val_set_size"] else {})},
@@ -47,6 +50,8 @@ def expected_settings(written: dict) -> dict:
         expected |= {key: written[key] for key in ("lora_r", "lora_alpha", "lora_dropout")}
         expected["lora_target_modules"] = "all-linear" if written.get("lora_target_linear") \
             else written["lora_target_modules"]
+    save_share = 1 / (written["saves_per_epoch"] * epochs)
+    expected |= {"save_strategy": "steps", "save_steps": save_share} if save_share < 1 else {"save_strategy": "epoch"}
     if written["val_set_size"]:
         expected |= {"eval_strategy": "steps", "eval_steps": 1 / (written["evals_per_epoch"] * epochs)}
     else:
@@ -145,6 +150,9 @@ REFUSALS = [
      ["fft-8b-liger-fsdp.yaml: this axolotl recipe", "`chat_template: llama3` (a template axolotl ships",
       "datasets entry 1 `split: train[:20%]` (finetune loads whole splits", "`fsdp`, `fsdp_config` (write FSDP2's",
       "accelerate config file such as accelerate_configs/fsdp.yaml"]),
+    ("FSDP1 settings and a key of axolotl's alone", lambda t: ["--config", str(FFT_1B_FSDP), "--tiny"],
+     ["fft-1b-fsdp.yml: this axolotl recipe", "`fsdp`, `fsdp_config` (write FSDP2's", "accelerate_configs/fsdp.yaml",
+      "`save_safetensors` (no such setting here: remove it)"]),
     ("every kind of refusal with an unknown key, all at once",
      changed(LORA_1B, "xformers_attention: true\nunfrozen_parameters: ['^lm_head.*']\nlerning_rate: 0.1\n"
                       "gradient_checkpointing: offload", {"adapter: lora": "adapter: llama-adapter",
@@ -189,15 +197,48 @@ def test_an_axolotl_recipe_trains_on_tiny_with_its_settings(tmp_path):
     assert list(trained_on) == [f"{SAMPLE} [train]"]
 
 
-def test_bf16_auto_is_one_value_for_the_recipe_and_the_launch_files_precision(tmp_path, monkeypatch):
-    """axolotl's `bf16: auto` is read as true; the launch file's `mixed_precision: bf16` (fsdp.yaml's) agrees with it on
-    a machine without a GPU too, where the check reads the recipe as the run read it, not the YAML's text again."""
+def test_an_8bit_recipe_training_whole_modules_scores_before_and_after_training_and_keeps_the_trained_weights(
+        tmp_path):
+    """axolotl's `lora-8b.yml`: `load_in_8bit` with `lora_modules_to_save: [embed_tokens, lm_head]`. TRL keeps those
+    trained copies in bf16 on a float32 model (on CPU); the held-out scoring before and after training runs them in the
+    model's dtype and leaves the trained bf16 weights as they were."""
+    import finetune
+    from safetensors.torch import load_file
+    import torch
+
+    output_dir = tmp_path / "out"
+    finetune.train(config=LORA_8B, tiny=True, output_dir=str(output_dir), max_steps=1, eval_steps=10,
+                   save_strategy="no", eval_samples_before_after=2)  # scored, with no evaluation between
+    scores = json.loads((output_dir / "finetune_scores.json").read_text())
+    assert (scores["before"]["rows"], scores["after"]["rows"]) == (2, 2)
+    saved = load_file(output_dir / "adapter_model.safetensors")
+    head = [tensor for key, tensor in saved.items() if "lm_head" in key]
+    assert head and {tensor.dtype for tensor in head} == {torch.bfloat16}
+
+
+def as_its_refusal_says(recipe_file: Path, tmp_path: Path) -> Path:
+    """The recipe without the keys its refusal names: `fsdp`, `fsdp_config` (FSDP2 comes from the accelerate config
+    file) and `save_safetensors`."""
+    values = yaml.safe_load(recipe_file.read_text())
+    for key in ("fsdp", "fsdp_config", "save_safetensors"):
+        values.pop(key)
+    return write(tmp_path / recipe_file.name, yaml.safe_dump(values))
+
+
+@pytest.mark.parametrize("recipe, launch_file", [
+    (lambda tmp_path: LORA_1B, "ddp.yaml"),
+    (lambda tmp_path: as_its_refusal_says(FFT_1B_FSDP, tmp_path), "fsdp.yaml")], ids=["lora-1b.yml", "fft-1b-fsdp.yml"])
+def test_bf16_auto_is_one_value_for_the_recipe_and_the_launch_files_precision(recipe, launch_file, tmp_path,
+                                                                               monkeypatch):
+    """axolotl's `bf16: auto` is read as true; the launch file's `mixed_precision: bf16` (ddp.yaml's and fsdp.yaml's)
+    agrees with it on a machine without a GPU too, where the check reads the recipe as the run read it, not the YAML's
+    text again. `fft-1b-fsdp.yml`, its FSDP1 keys removed as their refusal says, was told `bf16: false` contradicts
+    fsdp.yaml one line after being told its `bf16: auto` was read as true."""
     from finetune.checks import launch as accelerate_checks
     from tests.test_external_configs import launched_by_accelerate
     from tests.helpers import ROOT
 
-    launched_by_accelerate(monkeypatch, ROOT / "accelerate_configs" / "ddp.yaml")
-    run = arguments.parse_args(["--config", str(AXOLOTL / "llama-3" / "lora-1b.yml"), "--tiny",
-                                "--output_dir", str(tmp_path / "out")])
+    launched_by_accelerate(monkeypatch, ROOT / "accelerate_configs" / launch_file)
+    run = arguments.parse_args(["--config", str(recipe(tmp_path)), "--tiny", "--output_dir", str(tmp_path / "out")])
     assert accelerate_checks.asked_precision(run) == "bf16"
     accelerate_checks.check_run(run)

@@ -3,7 +3,8 @@ that transformers, LLaMA-Factory and DeepSpeed ship (tests/data/external/configs
 a launch that asked for no strategy of its own (torchrun, `accelerate launch` with a MULTI_GPU file), or are refused
 in one sentence whose fix, applied literally, leaves nothing to refuse; an accelerate config asking for another
 strategy is refused naming both. Every JSON is checked in this process with the environment its launcher exports (the
-checks a run makes before loading); one real torchrun and one real `accelerate launch` train two CPU processes."""
+checks a run makes before loading); one real torchrun, one real `accelerate launch` and one real `deepspeed` launcher
+train two CPU processes."""
 
 import json
 import os
@@ -15,7 +16,7 @@ import pytest
 
 from finetune.commands.check import problems_before_loading, training_process_environment
 from tests.helpers import ACCELERATE, ROOT, free_port, printed_setup, write
-from tests.test_bad_inputs import FULL, TINY
+from tests.test_bad_inputs import FULL, TINY, with_keys
 
 CONFIGS = ROOT / "tests" / "data" / "external" / "configs"
 TRANSFORMERS = CONFIGS / "transformers" / "tests" / "deepspeed"
@@ -40,10 +41,11 @@ SHIPPED_JSONS = [
 LAUNCHERS = ["torchrun", "accelerate launch"]
 
 
-def checked_as_launched(launcher: str, json_file: Path, tmp_path: Path, monkeypatch, extra=()) -> list[str]:
+def checked_as_launched(launcher: str, json_file: Path, tmp_path: Path, monkeypatch, extra=(),
+                        arguments: list[str] | None = None) -> list[str]:
     """The problems a training process of this two-process launch finds before loading, in this process: `accelerate
     launch --config_file accelerate_configs/ddp.yaml --num_processes 2` exports what accelerate's own launcher code
-    makes; torchrun exports only its ranks."""
+    makes; torchrun exports only its ranks. By default the tiny recipe with `--deepspeed JSON_FILE`."""
     if launcher == "torchrun":
         environment = {"RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": str(free_port())}
@@ -51,8 +53,8 @@ def checked_as_launched(launcher: str, json_file: Path, tmp_path: Path, monkeypa
         environment, _ = training_process_environment(["--config_file", DDP, "--num_processes", "2", *extra, SCRIPT])
     for name, value in {**environment, "WORLD_SIZE": "1"}.items():  # parsed as one process: no process group
         monkeypatch.setenv(name, value)
-    found = problems_before_loading([*TINY, "--deepspeed", str(json_file), "--output_dir", str(tmp_path / "out")], 2)
-    return [str(problem) for problem in found]
+    arguments = arguments or [*TINY, "--deepspeed", str(json_file), "--output_dir", str(tmp_path / "out")]
+    return [str(problem) for problem in problems_before_loading(arguments, 2)]
 
 
 def fixed_literally(json_file: Path, refusal: str, tmp_path: Path) -> Path:
@@ -116,30 +118,54 @@ def test_every_problem_of_a_deepspeed_json_is_named_at_once_each_with_its_fix(tm
         assert words in found[0], (words, found[0])
 
 
-# An accelerate config asking for a strategy of its own, beside --deepspeed: (name, accelerate launch flags, words)
+# An accelerate config asking for a strategy of its own, beside --deepspeed: (name, accelerate launch flags, what the
+# file asks for in the refusal's words)
 CONTRADICTIONS = [
-    ("FSDP file", ["--config_file", str(ROOT / "accelerate_configs" / "fsdp.yaml")],
-     ["fsdp.yaml: asks for FSDP while --deepspeed", "asks for ZeRO-3"]),
+    ("FSDP file", ["--config_file", str(ROOT / "accelerate_configs" / "fsdp.yaml")], "fsdp.yaml: asks for FSDP"),
     ("DeepSpeed file with another JSON", ["--config_file", str(ROOT / "accelerate_configs" / "zero2.yaml")],
-     ["zero2.yaml: asks for `deepspeed_config_file: ds_configs/zero2.json` while --deepspeed", "asks for ZeRO-3"]),
+     "zero2.yaml: asks for `deepspeed_config_file: ds_configs/zero2.json`"),
 ]
 
 
-@pytest.mark.parametrize("name, flags, words", CONTRADICTIONS, ids=[case[0] for case in CONTRADICTIONS])
-def test_an_accelerate_config_asking_for_another_strategy_than_the_flag_is_refused_naming_both(name, flags, words,
+def asking_for_deepspeed(given: str, json_file: Path, tmp_path: Path) -> tuple[list[str], str, str]:
+    """The tiny recipe's arguments asking for DeepSpeed with `json_file` as the flag or as the recipe key holding its
+    path (LLaMA-Factory's `deepspeed:`), how a refusal names it, and the line that asks for it."""
+    if given == "flag":
+        return [*TINY, "--deepspeed", str(json_file)], f"--deepspeed {json_file}", "--deepspeed"
+    recipe = write(tmp_path / "recipe.yaml", with_keys(FULL, f"deepspeed: {json_file}"))
+    return ["--config", str(recipe), "--tiny"], f"{recipe}: `deepspeed: {json_file}`", f"deepspeed: {json_file}"
+
+
+def without(arguments: list[str], asking: str) -> list[str]:
+    """The fix "remove --deepspeed" or "remove `deepspeed` from RECIPE", followed literally."""
+    if asking == "--deepspeed":
+        return arguments[:arguments.index(asking)] + arguments[arguments.index(asking) + 2:]
+    recipe = Path(arguments[arguments.index("--config") + 1])
+    recipe.write_text("".join(line for line in recipe.read_text().splitlines(keepends=True) if line.strip() != asking))
+    return arguments
+
+
+@pytest.mark.parametrize("given", ["flag", "recipe key"])
+@pytest.mark.parametrize("name, flags, ours", CONTRADICTIONS, ids=[case[0] for case in CONTRADICTIONS])
+def test_an_accelerate_config_asking_for_another_strategy_than_the_flag_is_refused_naming_both(name, flags, ours, given,
                                                                                              tmp_path, monkeypatch):
     json_file = LLAMA_FACTORY / "ds_z3_config.json"
+    arguments, named, asking = asking_for_deepspeed(given, json_file, tmp_path)
+    arguments += ["--output_dir", str(tmp_path / "out")]
     environment, _ = training_process_environment([*flags, "--num_processes", "2", SCRIPT])
     for variable, value in {**environment, "WORLD_SIZE": "1"}.items():
         monkeypatch.setenv(variable, value)
-    refused = problems_before_loading([*TINY, "--deepspeed", str(json_file), "--output_dir", str(tmp_path / "out")], 2)
-    assert len(refused) == 1 and all(word in str(refused[0]) for word in words), refused
-    assert "launch without --config_file" in str(refused[0]) and "or remove --deepspeed" in str(refused[0])
-    # either fix, followed literally, leaves nothing to refuse: the file without the flag, the flag without the file
-    assert problems_before_loading([*TINY, "--output_dir", str(tmp_path / "out")], 2) == []
+    refused = [str(problem) for problem in problems_before_loading(arguments, 2)]
+    assert len(refused) == 1 and f"{ours} while {named} asks for ZeRO-3" in refused[0], refused
+    removal = "--deepspeed" if given == "flag" else f"`deepspeed` from {arguments[1]}"
+    assert "launch without --config_file" in refused[0] and f"or remove {removal} to train" in refused[0], refused
+    # either fix, followed literally, leaves nothing to refuse: the flag (key) without the file, the file without it
     for variable in environment:
         monkeypatch.delenv(variable)
-    assert checked_as_launched("torchrun", json_file, tmp_path, monkeypatch) == []
+    assert checked_as_launched("torchrun", json_file, tmp_path, monkeypatch, arguments=arguments) == []
+    for variable, value in environment.items():
+        monkeypatch.setenv(variable, value)
+    assert problems_before_loading(without(arguments, asking), 2) == []
 
 
 def trained(launcher: list[str], json_file: Path, output_dir: Path) -> str:
@@ -180,3 +206,14 @@ def test_accelerate_launch_with_a_multi_gpu_file_trains_transformers_zero2_json_
     assert (setup["optimizer"], setup["lr_schedule"], setup["offload"]) == (
         "DeepSpeedCPUAdam", "cosine", {"optimizer": "cpu"}), setup
     assert printed.count("gives way to the recipe's") == 2, printed
+
+
+@pytest.mark.launches
+def test_deepspeeds_own_launcher_starts_two_cpu_processes_that_train_as_the_flag_asks(tmp_path):
+    """`deepspeed --num_gpus 2 scripts/sft.py ... --deepspeed ds.json`, DeepSpeed's accelerator set to the CPU: its
+    launcher starts two processes, each given `--local_rank`, which the parse takes as transformers' own argument."""
+    json_file = ROOT / "ds_configs" / "zero2.json"
+    deepspeed = str(Path(ACCELERATE).with_name("deepspeed"))
+    setup = printed_setup(trained(["env", "DS_ACCELERATOR=cpu", deepspeed, "--num_gpus", "2", "--master_port",
+                                   str(free_port())], json_file, tmp_path / "out"))
+    assert (setup["world_size"], setup["strategy"], setup["strategy_from"]) == (2, "zero2", f"--deepspeed {json_file}")

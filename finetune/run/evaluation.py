@@ -7,6 +7,7 @@ assistant turn generated greedily from the turns before it (finetune/run/generat
 against it.
 """
 
+import contextlib
 import json
 import math
 from collections import Counter
@@ -118,13 +119,37 @@ def assistant_loss(model, tokenizer, conversations: list[list[dict]], batch_size
     return total / max(count, 1)
 
 
+@contextlib.contextmanager
+def trained_weights_in_model_dtype(model):
+    """TRL keeps a quantized model's trained weights in bf16 (QLoRA's recommendation) whatever dtype the model runs in
+    (float32 on CPU, float16 where a recipe asks for it). LoRA layers cast their inputs, but a whole module trained as a
+    copy (`modules_to_save`, axolotl's `lora_modules_to_save: [lm_head]`) would take the model's activations with bf16
+    weights, which only TRL's fused training loss casts: generation and the scoring forward stop on a dtype mismatch.
+    While scoring, those weights are held in the dtype of the model's other weights; the trained tensors are put back
+    after, untouched."""
+    quantized = getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False)
+    model_dtype = model.config.dtype
+    recast = [parameter for parameter in model.parameters()
+              if quantized and parameter.requires_grad and parameter.is_floating_point()
+              and parameter.dtype != model_dtype]
+    trained = [parameter.data for parameter in recast]
+    for parameter in recast:
+        parameter.data = parameter.data.to(model_dtype)
+    try:
+        yield
+    finally:
+        for parameter, tensor in zip(recast, trained):
+            parameter.data = tensor
+
+
 def score(model, tokenizer, conversations: list[list[dict]], batch_size: int = 16, max_new_tokens: int = 256,
           max_length: int | None = None, source: str = "held-out rows") -> dict:
     """Loss and perplexity on the assistant tokens of rows cut to `max_length` as training cuts them; exact match and
     token F1 of the regenerated last answer (a row whose prompt exceeds the model's context scores as a miss)."""
     references = [turns[-1]["content"] for turns in conversations]
     longest = max(len(tokenizer(reference, add_special_tokens=False)["input_ids"]) for reference in references)
-    with attention_for_generation(model):  # the loss's forward too: flex's kernels fail on GPT-OSS's sinks there
+    # The loss's forward too: flex's kernels fail on GPT-OSS's sinks there, and bf16 copies on a float32 model.
+    with attention_for_generation(model), trained_weights_in_model_dtype(model):
         answers = generate_answers(model, tokenizer, [turns[:-1] for turns in conversations], batch_size,
                                    source=source, skip_too_long=True,
                                    max_new_tokens=min(max_new_tokens, longest + ANSWER_SLACK_TOKENS))
