@@ -222,7 +222,8 @@ says what to revisit and which test fails first.
 - `deepspeed_collectives_without_compiled_op`
   does: marks DeepSpeed's shared-memory collectives op (`deepspeed_shm_comm`) as not buildable in
   `deepspeed.ops.__compatible_ops__`, so that DeepSpeed's communication backend does its all-reduces through
-  torch.distributed (gloo), its own path where the op cannot be built; CPU runs only.
+  torch.distributed (gloo), its own path where the op cannot be built; CPU runs only. Where the table was not built yet
+  it is set to that one entry: building it probes every op with a compiler (libaio's probe prints a linker error).
   why: DeepSpeed compiles that op with g++ on its first CPU run (about 2 min on 2 cores, needing ninja and a compiler)
   to speed up all-reduces that a CPU run of a tiny model spends no time in.
   targets: deepspeed 0.19.8 (`build_shm_op` in deepspeed/comm/torch.py reads the table).
@@ -521,4 +522,9 @@ def deepspeed_collectives_without_compiled_op() -> None:
     import deepspeed.ops
     from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
 
-    deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False
+    found = vars(deepspeed.ops).get("__compatible_ops__")
+    if found is not None:
+        found[ShareMemCommBuilder.NAME] = False
+    else:  # not probed yet: probing every op runs a compiler per op (libaio's prints a linker error on stderr);
+        # only deepspeed/comm/torch.py reads the table, for this op alone
+        deepspeed.ops.__compatible_ops__ = {ShareMemCommBuilder.NAME: False}

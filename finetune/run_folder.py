@@ -42,6 +42,12 @@ OPTIMIZER_STATE = ("optimizer.pt", "optimizer.bin", "optimizer_0", "pytorch_mode
 
 
 LOCK = "finetune_run.lock"  # the launch training into the folder now: a second one is refused while it lives
+LOCK_BEING_WRITTEN = ".tmp"  # a lock's record written aside (finetune_run.lock.PID.tmp) before it is linked into place
+
+
+def is_lock(name: str) -> bool:
+    """The lock, or a launch's record of it not linked into place yet: neither is a file of the run's."""
+    return name == LOCK or (name.startswith(f"{LOCK}.") and name.endswith(LOCK_BEING_WRITTEN))
 
 
 def is_main() -> bool:
@@ -308,7 +314,7 @@ def take_lock(output_dir: str | Path) -> None:
     pid = os.getpid()
     record = {"pid": pid, "host": socket.gethostname(), "launch": _launch(), "started": _started(pid),
               "since": time.strftime("%Y-%m-%dT%H:%M:%S"), "created_folder": created}
-    written = folder / f"{LOCK}.{pid}.tmp"
+    written = folder / f"{LOCK}.{pid}{LOCK_BEING_WRITTEN}"
     written.write_text(json.dumps(record) + "\n")
     try:
         while True:  # a stale lock is removed and taking it tried again

@@ -265,6 +265,16 @@ def test_an_empty_lock_is_refused_naming_it_not_taken_over(tmp_path):
     assert (output_dir / folder_files.LOCK).read_text() == ""
 
 
+def test_a_lock_another_process_of_the_launch_is_writing_is_not_taken_for_someone_else_s_files(tmp_path):
+    """Rank 0 writes the lock's record aside before linking it into place; the other ranks check the folder then."""
+    output_dir = tmp_path / "out"
+    write(output_dir / f"{folder_files.LOCK}.4242{folder_files.LOCK_BEING_WRITTEN}", "{}")
+    relaunch(output_dir)  # an empty folder to this launch: nothing refused
+    write(output_dir / "notes.txt", "mine")
+    with pytest.raises(UserError, match="output_dir already holds files that no finetune run wrote"):
+        relaunch(output_dir)
+
+
 def with_adapter_config(checkpoint: Path, **settings) -> None:
     write(checkpoint / "adapter_config.json", json.dumps(
         {"r": 16, "lora_alpha": 32, "use_rslora": False, "use_dora": False, "lora_dropout": 0.05, **settings}))

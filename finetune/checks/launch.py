@@ -14,6 +14,7 @@ process once, with the rest of the launch, and carried on the run. `check_reques
 
 import json
 import os
+import sys
 
 from finetune import patches
 from finetune.config.launch_request import (
@@ -173,6 +174,8 @@ def deepspeed_json_problems(values: dict) -> list[tuple[str, str]]:
 def _zero_field_problems(zero: dict) -> list[tuple[str, str]]:
     """`zero_optimization` read by DeepSpeed's own config model (its keys and their types), where DeepSpeed imports
     on this machine; DeepSpeed would otherwise refuse it only once the model is loaded."""
+    if sys.modules.get("deepspeed", False) is None:  # hidden by an earlier run of this process that did not use it
+        del sys.modules["deepspeed"]  # (patches.skip_unused_deepspeed); this run asks for it
     try:
         from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
         from pydantic import ValidationError

@@ -47,7 +47,7 @@ def check_output_dir(run) -> None:
     holder = run_folder.lock_holder(output_dir)
     if holder is not None:
         raise UserError(run_folder.in_use_sentence(output_dir, holder))
-    if output_dir.is_dir() and any(path.name != run_folder.LOCK for path in output_dir.iterdir()):
+    if output_dir.is_dir() and any(not run_folder.is_lock(path.name) for path in output_dir.iterdir()):
         _check_run_in_folder(run, output_dir)
     run.resumes_from = resume_checkpoint(run)
     if run.resumes_from is None:
