@@ -132,3 +132,22 @@ def test_a_compiled_run_on_a_gpu_skips_the_cpu_vector_probe_and_a_cpu_run_keeps_
     monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
     compilation.prepare_process(SimpleNamespace(torch_compile=True, gradient_checkpointing=False))
     assert inductor_config.cpp.vec_isa_ok is (False if gpu else None)
+
+
+def test_the_reasons_torch_gives_for_not_caching_a_graph_are_recorded_and_its_loggers_left_as_they_were(caplog):
+    import logging
+
+    from finetune.run.speed import CACHE_LOGGERS, CompileCacheEvents
+
+    loggers = [logging.getLogger(name) for name in CACHE_LOGGERS]
+    before = [(logger.level, list(logger.filters)) for logger in loggers]
+    events = CompileCacheEvents()
+    with caplog.at_level(logging.INFO, logger="torch"):  # a handler that takes everything the filter passes on
+        loggers[1].info("Bypassing autograd cache due to: %s", "Unsupported call_function target foo")
+        loggers[0].info("Bypassing FX Graph Cache because '%s'", "No shape env")
+        loggers[0].info("FX graph cache hit for key %s", "abc")
+    assert events.reasons == {"Bypassing autograd cache due to: Unsupported call_function target foo": 1,
+                              "Bypassing FX Graph Cache because 'No shape env'": 1}
+    assert not [record for record in caplog.records if record.name in CACHE_LOGGERS]  # below torch's own level
+    events.close()
+    assert [(logger.level, list(logger.filters)) for logger in loggers] == before

@@ -69,12 +69,19 @@ class CompileCacheEvents(logging.Filter):
     def __init__(self):
         super().__init__()
         self.reasons: dict[str, int] = {}
-        self.levels = {}
+        self.own_levels = {name: logging.getLogger(name).level for name in CACHE_LOGGERS}  # restored by close
+        self.levels = {name: logging.getLogger(name).getEffectiveLevel() for name in CACHE_LOGGERS}
         for name in CACHE_LOGGERS:
             logger = logging.getLogger(name)
-            self.levels[name] = logger.getEffectiveLevel()
             logger.setLevel(min(logging.INFO, self.levels[name]))
             logger.addFilter(self)
+
+    def close(self) -> None:
+        """The loggers as they were: a later run in this process (the Python API) listens afresh."""
+        for name, level in self.own_levels.items():
+            logger = logging.getLogger(name)
+            logger.removeFilter(self)
+            logger.setLevel(level)
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
@@ -124,9 +131,11 @@ class SpeedRecord(TrainerCallback):
             self.steps[-1]["num_tokens"] = int(logs["num_tokens"])
 
     def on_train_end(self, args, state, control, **kwargs):
-        if not self.is_main_process or not self.steps:
+        record = self.summary() if self.is_main_process and self.steps else None
+        if self.cache_events:
+            self.cache_events.close()
+        if record is None:
             return
-        record = self.summary()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.write_text(json.dumps(record, indent=1) + "\n")
         say(f"speed: {describe(record)} ({self.path})")
