@@ -12,7 +12,6 @@ from __future__ import annotations
 from finetune import run_folder
 from finetune.checks import model_folder, relaunch
 from finetune.checks import recipe as recipe_checks
-from finetune.families import family_of
 from finetune.data import load as data
 from finetune.models import compilation
 from finetune.run import arguments, model, speed
@@ -43,7 +42,7 @@ def prepare(argv: list[str] | None = None):
                                                  run.finetune, record=run.data_sources, tokenizer=tokenizer)
         relaunch.check_data_unchanged(run, train_set)
         recipe_checks.check_trains_something(run, len(train_set))
-        compilation.compile_only_if_it_pays(run, family_of(model_path).name, len(train_set))
+        compilation.compile_only_if_it_pays(run, model_path, len(train_set))
         loaded = model.load_model(run, model_path)
         speed.mark("model_loaded")  # on the GPU where it loads there (quantized, MXFP4), else on the CPU
         trainer = training.build_trainer(run, loaded, tokenizer, train_set, eval_set)

@@ -89,7 +89,7 @@ def test_a_run_too_short_to_repay_the_compile_runs_eager_and_says_why(monkeypatc
     monkeypatch.setenv("FINETUNE_COMPILE_CACHE", str(tmp_path / "empty-cache"))
     smoke = _gpu_run("llama-3.2-3b/lora.yaml", "--max_steps", "10", "--max_length", "2048")
     capsys.readouterr()
-    compilation.compile_only_if_it_pays(smoke, "llama", rows=100_000)
+    compilation.compile_only_if_it_pays(smoke, "meta-llama/Llama-3.2-3B-Instruct", rows=100_000)
     said = capsys.readouterr().out
     assert not smoke.training.torch_compile
     assert "running eager: compiling would not pay for itself in 10 steps (each of up to 32,768 tokens saves about " \
@@ -97,15 +97,15 @@ def test_a_run_too_short_to_repay_the_compile_runs_eager_and_says_why(monkeypatc
 
     # an epoch of 5,000 rows in steps of 8 x 2 rows: 313 steps of 0.42 s pay for 72 s of compiling
     long_run = _gpu_run("llama-3.2-3b/lora.yaml", "--max_length", "2048")
-    compilation.compile_only_if_it_pays(long_run, "llama", rows=5_000)
+    compilation.compile_only_if_it_pays(long_run, "meta-llama/Llama-3.2-3B-Instruct", rows=5_000)
     assert long_run.training.torch_compile
     small_data = _gpu_run("llama-3.2-3b/lora.yaml", "--max_length", "2048")
-    compilation.compile_only_if_it_pays(small_data, "llama", rows=1_000)  # 63 steps
+    compilation.compile_only_if_it_pays(small_data, "meta-llama/Llama-3.2-3B-Instruct", rows=1_000)  # 63 steps
     assert not small_data.training.torch_compile
 
     forced = _gpu_run("llama-3.2-3b/lora.yaml", "--max_steps", "10", "--torch_compile", "true")
     capsys.readouterr()
-    compilation.compile_only_if_it_pays(forced, "llama", rows=100_000)
+    compilation.compile_only_if_it_pays(forced, "meta-llama/Llama-3.2-3B-Instruct", rows=100_000)
     assert forced.training.torch_compile and capsys.readouterr().out == ""
 
 
@@ -115,10 +115,10 @@ def test_a_short_run_compiles_where_this_machine_compiled_the_recipe_before(monk
     monkeypatch.setenv("FINETUNE_COMPILE_CACHE", str(tmp_path))
     (tmp_path / compilation.FIRST_STEPS).write_text(json.dumps({"gpt_oss 2880x24 LoRA on NVIDIA H100 80GB HBM3": 95.0}))
     smoke = _gpu_run("gpt-oss-20b/lora.yaml", "--max_steps", "10")
-    compilation.compile_only_if_it_pays(smoke, "gpt-oss", rows=100_000)
+    compilation.compile_only_if_it_pays(smoke, "openai/gpt-oss-20b", rows=100_000)
     assert smoke.training.torch_compile
     checkpointed = _gpu_run("gpt-oss-20b/lora.yaml", "--max_steps", "10", "--gradient_checkpointing", "true")
-    compilation.compile_only_if_it_pays(checkpointed, "gpt-oss", rows=100_000)  # other graphs: not compiled here
+    compilation.compile_only_if_it_pays(checkpointed, "openai/gpt-oss-20b", rows=100_000)  # other graphs: not compiled here
     assert not checkpointed.training.torch_compile
 
 

@@ -29,6 +29,7 @@ from transformers import TrainerCallback
 from finetune import patches
 from finetune.compile_cache import compile_cache, keep_compile_caches
 from finetune.errors import say
+from finetune.families import family_of
 from finetune.json_files import read_object
 
 DYNAMO_BACKEND_ENV = "ACCELERATE_DYNAMO_BACKEND"
@@ -73,17 +74,18 @@ COMPILE_COSTS = {
 }
 
 
-def compile_only_if_it_pays(run, family: str, rows: int) -> None:
+def compile_only_if_it_pays(run, model_path: str, rows: int) -> None:
     """A recipe's `torch_compile: true` compiles only where the run is long enough to win back the compiling: at
     most `rows` rows (packed bins hold one or more) in steps of at most batch x accumulation x max_length tokens, each
     saving the difference between the measured eager and compiled speeds. Compiled before on this machine (its
     caches warm: first_steps.json has the model), it compiles. `--torch_compile true` on the command line compiles
     whatever the length; `fp8` needs the compiler. One line says what was decided, with the figures."""
     training = run.training
-    method = "LoRA" if run.model.use_peft else "full"
+    if not training.torch_compile or "torch_compile" in run.flags or run.finetune.fp8:
+        return
+    family, method = family_of(model_path).name, "LoRA" if run.model.use_peft else "full"
     cost = COMPILE_COSTS.get((family, method, bool(training.gradient_checkpointing)))
-    if (not training.torch_compile or cost is None or "torch_compile" in run.flags or run.finetune.fp8
-            or _compiled_here_before(family, method, training.gradient_checkpointing)):
+    if cost is None or _compiled_here_before(family, method, training.gradient_checkpointing):
         return
     tokens_per_step = training.per_device_train_batch_size * training.gradient_accumulation_steps * \
         (training.max_length or 1024)
