@@ -11,10 +11,37 @@ set -euo pipefail
 for pid in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null); do kill -9 "$pid" 2>/dev/null || true; done
 df -h /dev/shm . | sed 's/^/[lease] /'; free -g | sed 's/^/[lease] /' 
 part=${1:?usage: gpu_lease.sh 1|2|3|4|5|6|7|8}
-# bytecode compiled as a user's `pip install` leaves it: a first import that compiles it is a wait no user has
-python3 -m pip install -q --no-index --no-deps --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-# Unsloth pins trl <= 1.15: its wheels go to a folder of their own, first on its path only (user_path.py sets it)
-python3 -m pip install -q --no-index --no-deps --no-cache-dir --upgrade --target /tmp/site2 .uw/*.whl
+# bytecode compiled as a user's `pip install` leaves it: a first import that compiles it is a wait no user has.
+# Once per machine: a later call of the same lease finds them installed.
+wheels=$(ls -l .whl .uw | md5sum | cut -c1-32)
+if [ "$(cat /tmp/site/.wheels 2>/dev/null)" != "$wheels" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  # Unsloth pins trl <= 1.15: its wheels go to a folder of their own, first on its path only (user_path.py sets it)
+  python3 -m pip install -q --no-index --no-deps --no-cache-dir --upgrade --target /tmp/site2 .uw/*.whl
+  echo "$wheels" > /tmp/site/.wheels
+fi
+# The image's own packages (torch, transformers, ...) came without bytecode, and its environment forbids writing it:
+# every process would compile them again at import (seconds in `accelerate launch` and in the training process). A
+# user's `pip install` leaves them compiled, so they are compiled here once, timed apart from every row.
+unset PYTHONDONTWRITEBYTECODE
+image_site=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+echo "[lease] $image_site: $(find "$image_site" -name '*.py' | wc -l) .py, $(find "$image_site" -name '*.pyc' | wc -l) .pyc, writable: $(test -w "$image_site" && echo yes || echo no)"
+if ! test -w "$image_site"; then export PYTHONPYCACHEPREFIX=/tmp/pycache; fi
+start=$(date +%s.%N)
+python3 -m compileall -q -j 0 "$image_site" /tmp/site /tmp/site2 finetune scripts benchmarks > /dev/null 2>&1 || true
+echo "[lease] bytecode compiled in $(python3 -c "print(round($(date +%s.%N) - $start, 1))") s (not in any row)"
 # graph breaks are logged: where a compiled first step's wait goes, beside finetune_speed.json's compile_seconds
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 HF_HUB_OFFLINE=1 TORCH_LOGS=graph_breaks
-python3 benchmarks/user_path.py --all --part "$part" --flags "${FLAGS:-}" --work runs/up --out "${OUT:-runs/up/results}/up" --budget "${BUDGET:-520}"
+out="${OUT:-runs/up/results}/up"
+python3 benchmarks/user_path.py --all --part "$part" --flags "${FLAGS:-}" --work runs/up --out "$out" --budget "${BUDGET:-520}"
+set +e  # diagnostics only: none of them may cost the rows above
+# What the compiled graphs hold besides GPU kernels (a C++ kernel for the CPU costs a compiler run cold and inductor's
+# CPU probe warm), and what the training process imports, in the order and time it imports it
+for source in $(find runs/up/compile-cache -name '*.cpp' 2>/dev/null | head -5); do
+  echo "[lease] C++ kernel $source:"; grep -v '^#include' "$source" | head -40
+done
+find runs/up/compile-cache -name '*.py' -exec grep -l "async_compile.cpp" {} + 2>/dev/null | head -3 \
+  | while read -r wrapper; do echo "[lease] wrapper with C++: $wrapper"; grep -n -B2 -A12 "async_compile.cpp" "$wrapper" | head -60; done
+python3 -X importtime -c "import finetune.sft" 2> "$out/importtime_sft.txt" || true
+python3 -X importtime -c "import accelerate.commands.launch" 2> "$out/importtime_accelerate_launch.txt" || true
+
