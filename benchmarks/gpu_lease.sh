@@ -30,8 +30,8 @@ if ! test -w "$image_site"; then export PYTHONPYCACHEPREFIX=/tmp/pycache; fi
 start=$(date +%s.%N)
 python3 -m compileall -q -j 0 "$image_site" /tmp/site /tmp/site2 finetune scripts benchmarks > /dev/null 2>&1 || true
 echo "[lease] bytecode compiled in $(python3 -c "print(round($(date +%s.%N) - $start, 1))") s (not in any row)"
-# graph breaks are logged: where a compiled first step's wait goes, beside finetune_speed.json's compile_seconds
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 HF_HUB_OFFLINE=1 TORCH_LOGS=graph_breaks
+# graph breaks and dynamo's restarts are logged: where a compiled first step's wait goes, beside finetune_speed.json's compile_seconds
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 HF_HUB_OFFLINE=1 TORCH_LOGS=graph_breaks,dynamo
 out="${OUT:-runs/up/results}/up"
 python3 benchmarks/user_path.py --all --part "$part" --flags "${FLAGS:-}" --work runs/up --out "$out" --budget "${BUDGET:-520}"
 set +e  # diagnostics only: none of them may cost the rows above
