@@ -1,14 +1,18 @@
 """GPT-OSS experts resident in MXFP4 (finetune/models/mxfp4_experts.py) on one GPU, real shapes, random weights, no network,
 under 3 minutes (a CPU with TRITON_INTERPRET=1 and --architecture TINY_MODEL_FOLDER runs the code, not the check):
 
-    python benchmarks/mxfp4_resident_check.py [--architecture gpt-oss-20b|gpt-oss-120b] [--tokens 8192]
+    python benchmarks/mxfp4_resident_check.py [--architecture gpt-oss-20b|gpt-oss-120b] [--tokens 8192] [--kernel_variants]
 
-The Triton dequantizer bit-equal to the reference (a layer's blocks; every scale byte), its time per layer; one layer's
-experts with LoRA, forward + backward, dense bf16 against resident (time, peak memory, max abs differences: 0 expected);
-a 2-layer checkpoint loaded resident (seconds, peak memory). One JSON line, also in $OUT/mxfp4_resident_check.json.
+The Triton dequantizer bit-equal to the reference (a layer's blocks; every scale byte), its time per layer and the
+configuration its autotuning picked for each projection shape; one layer's experts with LoRA, forward + backward, dense
+bf16 against resident (time, peak memory, max abs differences: 0 expected); a 2-layer checkpoint loaded resident
+(seconds, peak memory). With --kernel_variants, each configuration the autotuning chooses from and the previous kernel
+(benchmarks/mxfp4_dequantize_previous.py), timed one by one on the layer. One JSON line, also in
+$OUT/mxfp4_resident_check.json.
 """
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -22,7 +26,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/ is beside finetune/, not installed
 
-from benchmarks import mxfp4_checkpoints  # noqa: E402
+from benchmarks import mxfp4_checkpoints, mxfp4_dequantize_previous  # noqa: E402
 from finetune.families import load_architecture  # noqa: E402
 from finetune.models import expert_lora, mxfp4_experts, mxfp4_loading, mxfp4_triton  # noqa: E402
 
@@ -57,14 +61,36 @@ def random_packed(experts, outputs, inputs, generator, scales=(118, 122)):
             torch.randint(*scales, shape, dtype=torch.uint8, device=DEVICE, generator=generator))
 
 
-def bit_equal(blocks, scales, dtype, chunk=8):
+def bit_equal(blocks, scales, dtype, dequantize=mxfp4_triton.dequantize, chunk=8):
     """Kernel against reference, `chunk` experts at a time (the reference's temporaries are 12 bytes per value)."""
-    kernel = mxfp4_triton.dequantize(blocks, scales, dtype)
+    kernel = dequantize(blocks, scales, dtype)
     integer = {torch.bfloat16: torch.int16, torch.float32: torch.int32}[dtype]
     return all(torch.equal(kernel[start:start + chunk].view(integer),
                            mxfp4_experts.dequantize(blocks[start:start + chunk], scales[start:start + chunk],
                                                     dtype).view(integer))
                for start in range(0, blocks.shape[0], chunk))
+
+
+def moved_bytes(blocks, scales, dtype=torch.bfloat16):
+    """What dequantizing a projection reads and writes: blocks, scales, and two values of `dtype` per byte."""
+    return blocks.numel() + scales.numel() + 2 * dtype.itemsize * blocks.numel()
+
+
+def kernel_variants(packed):
+    """Each configuration of mxfp4_triton.CONFIGS, and the previous kernel, on each projection in bf16: milliseconds,
+    GB/s, bit-equality with the reference. The fastest per projection is what the autotuning should pick."""
+    variants = {f"{config.kwargs['BLOCK_IN']}x{config.kwargs['BLOCK_OUT']}, {config.num_warps} warps":
+                functools.partial(mxfp4_triton.dequantize, config=config) for config in mxfp4_triton.CONFIGS}
+    variants["previous kernel"] = mxfp4_dequantize_previous.dequantize
+    result = {}
+    for name, (blocks, scales) in packed.items():
+        result[name] = {}
+        for label, dequantize in variants.items():
+            milliseconds = timed(functools.partial(dequantize, blocks, scales, torch.bfloat16), repeats=20)
+            result[name][label] = {"ms": round(milliseconds, 3),
+                                   "GBps": round(moved_bytes(blocks, scales) / milliseconds / 1e6, 1),
+                                   "bit_equal": bit_equal(blocks, scales, torch.bfloat16, dequantize)}
+    return result
 
 
 def timed(function, repeats=5):
@@ -105,7 +131,7 @@ def forward_backward(experts, hidden, indices, weights, adapters):
     return [output.detach(), *torch.autograd.grad(output.float().square().mean(), leaves)]
 
 
-def layer_check(config, tokens, generator):
+def layer_check(config, tokens, generator, variants):
     experts, hidden, intermediate = config.num_local_experts, config.hidden_size, config.intermediate_size
     shapes = {"gate_up_proj": (hidden, 2 * intermediate), "down_proj": (intermediate, hidden)}
     packed = {name: random_packed(experts, outputs, inputs, generator) for name, (inputs, outputs) in shapes.items()}
@@ -115,9 +141,13 @@ def layer_check(config, tokens, generator):
               "kernel_bit_equal_every_scale": {str(dtype): bit_equal(*every_scale, dtype)
                                                for dtype in (torch.bfloat16, torch.float32)}}
     milliseconds = timed(lambda: [mxfp4_triton.dequantize(*pair, torch.bfloat16) for pair in packed.values()])
-    moved = sum(blocks.numel() + scales.numel() + 2 * 2 * blocks.numel() for blocks, scales in packed.values())
+    moved = sum(moved_bytes(*pair) for pair in packed.values())
     result["dequantize_layer_ms"] = round(milliseconds, 3)
     result["dequantize_GBps"] = round(moved / milliseconds / 1e6, 1)
+    # (in/32, out, the tensors' dtypes) -> the configuration autotuning picked
+    result["dequantize_autotuned"] = {str(key): str(config) for key, config in mxfp4_triton.autotuned_kernel.cache.items()}
+    if variants:
+        result["dequantize_variants"] = kernel_variants(packed)
 
     dense, resident = experts_pair(config, packed)
     hidden_states = torch.randn(tokens, hidden, device=DEVICE, dtype=torch.bfloat16, generator=generator)
@@ -176,6 +206,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--architecture", default="gpt-oss-20b")
     parser.add_argument("--tokens", type=int, default=8192, help="routed tokens: batch 4 x 2048 by default")
+    parser.add_argument("--kernel_variants", action="store_true",
+                        help="also time each dequantization kernel configuration (and the previous kernel) alone")
     args = parser.parse_args()
     config = transformers.AutoConfig.from_pretrained(args.architecture) if Path(args.architecture).is_dir() \
         else load_architecture(args.architecture)
@@ -184,7 +216,7 @@ def main():
     result = {"architecture": args.architecture, "device": device, "torch": torch.__version__,
               "transformers": transformers.__version__, "triton": triton.__version__, "tokens": args.tokens}
     start = time.perf_counter()
-    result.update(layer_check(config, args.tokens, generator))
+    result.update(layer_check(config, args.tokens, generator, args.kernel_variants))
     with tempfile.TemporaryDirectory(prefix="mxfp4-resident-") as folder:
         result.update(load_check(config, Path(folder), generator))
     result["seconds"] = round(time.perf_counter() - start, 1)
