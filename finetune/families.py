@@ -92,6 +92,12 @@ def gpt_oss_expert(a) -> dict[str, tuple[int, int]]:
     return {"gate_up_proj": (a.hidden, 2 * a.intermediate), "down_proj": (a.intermediate, a.hidden)}
 
 
+# MXFP4-resident experts are dequantized at most this many bytes of one projection at a time, a chunk of whole experts
+# (at least one): finetune/models/mxfp4_experts.py computes with it and finetune/planner/memory.py counts it. A whole
+# GPT-OSS-120B projection is 128 experts, 3.96 GiB in bf16, beside 60.8 GiB of resident weights; 16 of them are 0.49.
+DEQUANTIZED_CHUNK_BYTES = 512 * 2**20
+
+
 def gpt_oss_router_and_sinks(a) -> int:
     """The router (hidden -> experts, with a bias) and one attention sink per head."""
     return a.hidden * a.experts + a.experts + a.heads

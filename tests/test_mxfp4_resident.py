@@ -298,3 +298,87 @@ def test_a_trained_adapter_generates_the_same_with_its_experts_resident_as_dequa
                                  model.generate(input_ids=ids, max_new_tokens=6, do_sample=False))
     assert torch.allclose(outputs[True][0], outputs[False][0], rtol=1e-5, atol=1e-5)
     assert torch.equal(outputs[True][1], outputs[False][1])
+
+
+def packed_rows(vocab: int) -> list[dict]:
+    """Rows as TRL's BFD packing leaves them: several conversations each (`seq_lengths`), the prompt tokens' labels
+    -100 (assistant_only_loss), of different lengths."""
+    generator = torch.Generator().manual_seed(3)
+    rows = []
+    for documents in ([9, 14], [20], [5, 7, 11], [16, 6]):
+        input_ids, labels = [], []
+        for length in documents:
+            ids = torch.randint(1, vocab, (length,), generator=generator).tolist()
+            prompt = length // 3
+            input_ids += ids
+            labels += [-100] * prompt + ids[prompt:]
+        rows.append({"input_ids": input_ids, "labels": labels, "seq_lengths": documents})
+    return rows
+
+
+def micro_batch_gradients(model, rows: list[dict], micro_batch: int) -> tuple[float, dict]:
+    """SFTTrainer's step over `rows`, `micro_batch` rows at a time: its padding-free collator flattens each
+    micro-batch into one sequence, its fused LM head scores the labelled tokens, each micro-batch's summed loss is
+    divided by the step's labelled tokens (num_items_in_batch) and the gradients accumulate."""
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    collate = DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True)
+    batches = [collate(rows[start:start + micro_batch]) for start in range(0, len(rows), micro_batch)]
+    num_items_in_batch = sum(int((batch["labels"][:, 1:] != -100).sum()) for batch in batches)
+    model.zero_grad()
+    total = 0.0
+    for batch in batches:
+        outputs = model(**batch, fused_lm_head=True)
+        loss = -outputs.log_probs.sum() / num_items_in_batch
+        loss.backward()
+        total += loss.item()
+    return total, {name: parameter.grad.clone() for name, parameter in model.named_parameters()
+                   if parameter.grad is not None}
+
+
+def test_a_micro_batch_of_several_packed_rows_gives_the_loss_and_gradients_of_the_rows_one_at_a_time(
+        mxfp4_folder, tmp_path, monkeypatch):
+    """The 120B recipe's path on the tiny GPT-OSS, experts resident in MXFP4 and dequantized one expert at a time,
+    TRL's fused LM head in tiles of 16 tokens x 64 vocabulary columns: 4 packed rows in one micro-batch, then in 4
+    micro-batches of one row. Raising per_device_train_batch_size (and lowering gradient_accumulation_steps to keep
+    the rows a step) changes the speed only: float32 on the CPU, equal within rounding (relative 1e-5; measured: the
+    loss equal, the gradients within 6e-7 of their largest value). Not the load-balancing loss, which TRL adds for
+    GPT-OSS (router_aux_loss_coef 0.9 from its config): a statistic of each micro-batch's tokens, not a sum over them,
+    so it is left out here as `router_aux_loss_coef: 0` leaves it out (the tiny config's output_router_logits)."""
+    from peft import get_peft_model
+    from trl.kernels import chunked_logprob
+    from trl.trainer import utils as trl_utils
+    from trl.trainer.utils import add_fused_lm_head
+
+    from finetune import patches
+    from finetune.checks import model_folder
+    from finetune.run import arguments, model
+
+    run = arguments.parse_args(["--config", "recipes/gpt-oss-120b/lora.yaml", "--model_name_or_path",
+                                str(mxfp4_folder), "--output_dir", str(tmp_path / "out")])
+    monkeypatch.setattr(chunked_logprob, "TOKEN_CHUNK_SIZE", 16)
+    monkeypatch.setattr(trl_utils, "_CHUNKED_LOGPROB_CHUNK_SIZE", 64)
+    loaded = model.load_model(run, model_folder.resolve_model_path(run))
+    assert not loaded.config.output_router_logits
+    experts = next(module for module in loaded.modules() if isinstance(module, mxfp4_experts.ResidentExperts))
+    monkeypatch.setattr(mxfp4_experts, "DEQUANTIZED_CHUNK_BYTES", experts.gate_up_proj[0].numel() * 4)
+    torch.manual_seed(0)
+    peft_model = get_peft_model(loaded, model.lora_config(run))
+    assert expert_lora.install(peft_model) == 2
+    for name, parameter in peft_model.named_parameters():
+        if "lora_B" in name:  # peft starts B at zero, which leaves A without a gradient to compare
+            torch.nn.init.normal_(parameter, std=0.05)
+    add_fused_lm_head(peft_model.get_base_model(), outputs=("log_probs", "entropy", "is_top1"))  # as SFTTrainer does
+    patches.keep_packed_documents_apart(peft_model)  # as build_trainer does
+    peft_model.train()
+    rows = packed_rows(loaded.config.vocab_size)
+    assert len({len(row["input_ids"]) for row in rows}) > 1
+    one_at_a_time = micro_batch_gradients(peft_model, rows, micro_batch=1)
+    all_at_once = micro_batch_gradients(peft_model, rows, micro_batch=len(rows))
+    assert all_at_once[0] == pytest.approx(one_at_a_time[0], rel=1e-5)
+    gradients, expected = all_at_once[1], one_at_a_time[1]
+    assert gradients.keys() == expected.keys() and any("experts" in name for name in gradients)
+    assert all(gradient.abs().max() > 0 for gradient in expected.values())
+    for name, gradient in gradients.items():
+        torch.testing.assert_close(gradient, expected[name], rtol=1e-5, atol=1e-5 * expected[name].abs().max(),
+                                   msg=name)

@@ -17,6 +17,7 @@ compiled graph can keep the dequantized weight for the backward.
 
 import torch
 
+from finetune.families import DEQUANTIZED_CHUNK_BYTES
 from finetune.models import expert_lora
 
 BLOCK = 32  # values that share one scale
@@ -60,11 +61,6 @@ def in_features(blocks: torch.Tensor) -> int:
 
 
 # ---- The frozen GEMM from MXFP4 ----------------------------------------------------------------------------------
-
-
-# The most of one projection dequantized at a time: a chunk of experts. A whole GPT-OSS-120B projection is 128 experts,
-# 4.2 GiB in bf16, beside 60.8 GiB of resident weights; 16 of them are 0.5 GiB.
-DEQUANTIZED_CHUNK_BYTES = 512 * 2**20
 
 
 def _mxfp4_grouped_mm(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,

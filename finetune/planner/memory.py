@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from finetune.families import FAMILIES
+from finetune.families import DEQUANTIZED_CHUNK_BYTES, FAMILIES
 from finetune.planner.architecture import (
     BYTES,
     Architecture,
@@ -89,7 +89,22 @@ def trainable_bytes(s: Setup, technique: str) -> int:
 
 def mxfp4_resident(a: Architecture, s: Setup) -> bool:
     """`dequantize_mxfp4: false` on an MXFP4 checkpoint: the experts stay packed on the GPU (finetune/models/
-    mxfp4_experts.py), in one process only (finetune/checks/recipe.py's check_mxfp4)."""
+    mxfp4_experts.py), in one process only (finetune/checks/recipe.py's check_mxfp4).
+
+    What grows with the micro-batch's tokens on this path (the 120B recipe checkpoints every layer), in bytes a token
+    at GPT-OSS-120B (hidden 2880, expert width 2880, 4 of 128 experts active, 36 layers), and where it is counted:
+    - each layer's input, kept by checkpointing: 36 x 5,760 (activation_bytes);
+    - the one layer recomputed in the backward, 284,240 (layer_activation_bytes_per_token): attention 64,776; per
+      active expert the routed input, gate_up output and the SwiGLU's intermediates, 4 x (5h + 8i) = 149,760 (fitted
+      to GPT-OSS-20B); what GroupedLoraMatmul saves for the adapters, per active expert and adapted GEMM its input and
+      rank-r projection, 46,128; the experts' weighted sum, 8h = 23,040; the router's fp32 logits, 512; the
+      attention adapters' rank-r outputs, 24;
+    - that layer's backward transients, 126,720 (activation_bytes);
+    - every layer's router logits for the load-balancing loss, 18,432 (router_logits_bytes);
+    - the dequantized chunk's GEMM output, 5,760, beside the chunk itself (0.49 GiB whatever the tokens;
+      mxfp4_dequantized_bytes);
+    - TRL's fused LM head (loss_buffer_bytes): a tile of at most 4,096 tokens x 32,768 vocabulary columns (0.25 GiB)
+      and the hidden state's gradient, 17,280; never the (tokens x vocabulary) logits."""
     return a.mxfp4_experts and not s.dequantize_mxfp4
 
 
@@ -185,11 +200,38 @@ def adapted_expert_weight_bytes(a: Architecture, s: Setup) -> float:
 
 
 def mxfp4_dequantized_bytes(a: Architecture, s: Setup) -> float:
-    """MXFP4 resident: the one projection of one layer dequantized at a time, whole (all experts, no chunking), in
-    the forward and again in the backward, freed after its GEMM (120B's gate_up: 128 x 2880 x 5760 in bf16)."""
+    """MXFP4 resident: what finetune/models/mxfp4_experts.py's grouped GEMM holds beside the activations, in the
+    forward, the recompute and the backward, one projection of one layer at a time, freed after it:
+    - one chunk of experts dequantized: as many whole experts of the projection as DEQUANTIZED_CHUNK_BYTES (the
+      code's own constant, imported) holds, at least one, at most all (120B: 16 experts of gate_up, 2880 x 5760, or
+      32 of down, 0.49 GiB in bf16 either way, where the whole projection is 3.96 GiB);
+    - when the projection takes more than one chunk, the chunk's GEMM output before it is copied into the projection's
+      output: its experts' share of the routed rows (tokens x experts_per_token x chunk / experts, routing counted
+      even) times the wider of the projection's widths (forward: out, backward: in)."""
     if not mxfp4_resident(a, s):
         return 0.0
-    return max(a.experts * i * o for i, o in FAMILIES[a.family].expert_weights(a).values()) * BYTES.get(s.dtype, 4)
+    dtype_bytes = BYTES.get(s.dtype, 4)
+    largest = 0.0
+    for in_features, out_features in FAMILIES[a.family].expert_weights(a).values():
+        expert_bytes = in_features * out_features * dtype_bytes
+        chunk = min(a.experts, max(1, DEQUANTIZED_CHUNK_BYTES // expert_bytes))
+        chunk_output = 0.0
+        if chunk < a.experts:
+            rows = s.tokens * a.experts_per_token * chunk / a.experts
+            chunk_output = rows * max(in_features, out_features) * dtype_bytes
+        largest = max(largest, chunk * expert_bytes + chunk_output)
+    return largest
+
+
+def router_logits_bytes(a: Architecture, s: Setup) -> float:
+    """MoE with TRL's load-balancing loss (on for GPT-OSS: its config's router_aux_loss_coef is 0.9; off when the recipe
+    sets 0): the model returns every layer's router logits (tokens x experts, in the dtype) to the loss, and the loss
+    (transformers' load_balancing_loss_func) saves each layer's softmax of them, as large, for its backward; their
+    gradients take the same room from the start of the backward until each layer's turn. Kept through the whole step,
+    whatever the checkpointing: 36 x 128 x 2 x 2 bytes a token at 120B (0.14 GiB at 4 x 2,048 tokens)."""
+    if not (a.is_moe and s.router_aux_loss):
+        return 0.0
+    return a.layers * s.tokens * a.experts * BYTES.get(s.dtype, 4) * 2
 
 
 def activation_bytes(a: Architecture, s: Setup) -> dict[str, float]:
@@ -197,7 +239,8 @@ def activation_bytes(a: Architecture, s: Setup) -> dict[str, float]:
     and what activation offloading keeps in pinned CPU memory instead of on the GPU."""
     tokens = s.tokens
     per_layer = layer_activation_bytes_per_token(a, s) * tokens + adapted_expert_weight_bytes(a, s)
-    outside = tokens * (6 * a.hidden + 8)  # embedding output, final norm's fp32 copy, hidden into the LM head
+    outside = tokens * (6 * a.hidden + 8) + router_logits_bytes(a, s)  # embedding output, final norm's fp32 copy,
+    # hidden into the LM head; the routers' logits for the load-balancing loss
     layer_input = tokens * 2 * a.hidden  # bf16
     if s.gradient_checkpointing:
         # Each layer keeps only its input; in backward one layer at a time is recomputed. Offloaded, the inputs wait in

@@ -48,6 +48,7 @@ class Setup:
     activation_memory_budget: float = 1.0  # inductor's cap on what a compiled layer saves (1: what it saves by default)
     expert_lora_kernel: str = "grouped"  # grouped | peft (finetune/models/expert_lora.py)
     dequantize_mxfp4: bool = True  # false: an MXFP4 checkpoint's experts stay MXFP4 on the GPU (models/mxfp4_experts.py)
+    router_aux_loss: bool = True  # TRL's MoE load-balancing loss: off only with router_aux_loss_coef 0
 
     @property
     def tokens(self) -> int:
@@ -120,4 +121,5 @@ def setup_from_recipe(values: dict, source: str = "recipe") -> Setup:
         activation_memory_budget=_run_value(values, "activation_memory_budget", source, _as_float) or 1.0,
         expert_lora_kernel=str(_run_value(values, "expert_lora_kernel", source) or "grouped"),
         dequantize_mxfp4=bool(_run_value(values, "dequantize_mxfp4", source, _as_bool)),
+        router_aux_loss=_run_value(values, "router_aux_loss_coef", source, _as_float) != 0,
     )
