@@ -170,6 +170,17 @@ says what to revisit and which test fails first.
   ops, which the compiled code calls at run time rather than copying.
   targets: torch 2.11 and 2.13 (the config, and TORCHINDUCTOR_AUTOGRAD_CACHE_ALLOW_CUSTOM_AUTOGRAD, its variable).
   guarded by: test_compile_once.py::test_a_second_launch_loads_every_compiled_graph_from_the_cache.
+- `constant_float_inputs`
+  does: sets `torch._dynamo.config.specialize_float = True` in a compiled run.
+  why: the layers are compiled with dynamic shapes and their modules unspecialized, so dynamo first traces every
+  Python float it meets (the attention's scaling, the norms' epsilon, LoRA's scaling, dropout probabilities) as a
+  symbol, then its pass that turns symbolic floats into tensors fails on them and restarts the whole trace with them
+  specialized: "Restarting analysis due to fx/passes/_tensorify_python_scalars.py" in dynamo's log, 4.2 s of the
+  3B LoRA recipe's cold first step and 4.6 s of its warm one on the H100 (docs/results/first-step-2026-12-06b-h100).
+  These floats are the same in every layer and every step, so tracing them as constants from the start gives the
+  same graph without the second trace.
+  targets: torch 2.11 and 2.13 (the config key).
+  guarded by: test_first_step.py::test_a_compiled_layer_traces_its_floats_as_constants_without_restarting.
 - `no_cpu_vector_probe`
   does: sets `torch._inductor.config.cpp.vec_isa_ok = False` in a compiled run on a GPU.
   why: to build the C++ kernels a GPU graph still holds (small host-side computations), inductor first asks which CPU
@@ -388,6 +399,12 @@ def no_cpu_vector_probe() -> None:
     from torch._inductor import config as inductor_config
 
     inductor_config.cpp.vec_isa_ok = False
+
+
+def constant_float_inputs() -> None:
+    from torch._dynamo import config as dynamo_config
+
+    dynamo_config.specialize_float = True
 
 
 def cache_graphs_with_custom_autograd_functions() -> None:

@@ -151,3 +151,36 @@ def test_the_reasons_torch_gives_for_not_caching_a_graph_are_recorded_and_its_lo
     assert not [record for record in caplog.records if record.name in CACHE_LOGGERS]  # below torch's own level
     events.close()
     assert [(logger.level, list(logger.filters)) for logger in loggers] == before
+
+
+def test_a_compiled_layer_traces_its_floats_as_constants_without_restarting(monkeypatch):
+    """Dynamo traced the layer's Python floats (attention scaling, epsilon, dropout) as symbols, failed to turn them
+    into tensors and traced the whole layer a second time: 4 s of the 3B LoRA recipe's first step on an H100."""
+    import logging
+
+    from torch._dynamo import config as dynamo_config
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from finetune.models import compilation
+
+    monkeypatch.setattr(dynamo_config, "specialize_float", dynamo_config.specialize_float)  # restored afterwards
+    compilation.prepare_process(SimpleNamespace(torch_compile=True))
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, attention_dropout=0.1)
+    model = LlamaForCausalLM(config).train()
+    restarts = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: restarts.append(record.getMessage())
+    logger = logging.getLogger("torch._dynamo.convert_frame")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    torch._dynamo.reset()
+    try:
+        model.model.layers[0].compile(backend="aot_eager", dynamic=True)  # the float pass is AOTAutograd's
+        model(input_ids=torch.randint(0, 64, (2, 8)), labels=torch.randint(0, 64, (2, 8))).loss.backward()
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        torch._dynamo.reset()
+    assert [message for message in restarts if "Restarting analysis" in message] == []
