@@ -1,9 +1,22 @@
-"""Host memory of `finetune merge` on a GPT-OSS MXFP4 base: the streamed merge (finetune/run/merging.py) against the
-in-memory one (the base loaded dequantized, peft's merge_and_unload), each in a fresh process, on random MXFP4 weights
-of a scaled-down GPT-OSS written in several shards, with a LoRA adapter on attention and experts. Linux only: the peak
-is the process's VmHWM, reset (/proc/self/clear_refs) just before the merge.
+"""Host memory of `finetune merge` on a GPT-OSS MXFP4 base: the streamed merge (finetune/run/merging.py), and on
+models small enough the in-memory one (the base loaded dequantized, peft's merge_and_unload) to compare, each in a
+fresh process, on random MXFP4 weights written as the hub stores them (benchmarks/mxfp4_checkpoints.py) with a random
+LoRA adapter on attention and experts. Linux only: host memory is the process's resident set (VmRSS of
+/proc/self/status: anonymous memory and the pages of mapped files, the stored shards' included), its high-water mark
+VmHWM reset (/proc/self/clear_refs) just before the merge, read once peft has put the adapter on the model (the whole
+adapter read) and again at the end.
 
     python benchmarks/merge_memory.py --folder /tmp/merge-memory [--layers 8 --hidden 512 --experts 16 --shard_mb 8]
+    python benchmarks/merge_memory.py --folder /tmp/merge-memory-120b --real_widths --layers 2   # ~22 GB of disk
+
+With --real_widths the layers are GPT-OSS-120B's (finetune/model_configs/gpt-oss-120b.json: 128 experts of width
+2880, the 201,088-token vocabulary), stored in shards of 4 GiB as openai/gpt-oss-120b is. The merge then holds what it
+holds at 120B, one chunk of experts of the real size and one module's adapter weights, at any depth; only peft's read
+of the whole adapter at the start grows with the depth. So at 120B (36 layers)
+
+    peak above start = max(adapter read measured x adapter bytes at 120B / adapter bytes measured, merge measured)
+
+with the adapter's bytes at 120B counted from the real architecture at the same rank (fp32, as peft saves it).
 """
 
 import argparse
@@ -17,25 +30,74 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 
-def write_base_and_adapter(folder: Path, layers: int, hidden: int, experts: int, shard_bytes: int,
-                           rank: int = 16) -> tuple[Path, Path]:
-    """A random MXFP4 GPT-OSS of `layers` layers of width `hidden` (experts' width too) and `experts` experts in shards
-    of at most `shard_bytes`, and a random LoRA adapter of `rank` on its attention projections and expert weights."""
-    import safetensors.torch
-    import torch
-    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
-    from transformers import AutoConfig, AutoModelForCausalLM
+GIB = 1 << 30
+HUB_SHARD_BYTES = 4 << 30  # openai/gpt-oss-120b's stored shards, as mxfp4_checkpoints writes them by default
+REAL_LAYERS = 36
+
+
+def scaled_config(layers: int, hidden: int, experts: int):
+    """The tiny GPT-OSS's config with `layers` layers of width `hidden` (the experts' width too) and `experts`
+    experts."""
+    from transformers import AutoConfig
 
     from benchmarks import mxfp4_checkpoints
-    from finetune.models import expert_lora, tiny
 
-    tiny_folder = mxfp4_checkpoints.tiny_checkpoint()
-    config = AutoConfig.from_pretrained(tiny_folder)
+    config = AutoConfig.from_pretrained(mxfp4_checkpoints.tiny_checkpoint())
     del config.quantization_config
     config.num_hidden_layers, config.layer_types = layers, (config.layer_types * layers)[:layers]
     config.hidden_size = config.intermediate_size = hidden
     config.num_local_experts = experts
     config.num_attention_heads, config.num_key_value_heads = hidden // config.head_dim, 2
+    return config
+
+
+def real_config(layers: int):
+    """GPT-OSS-120B's architecture cut to its first `layers` layers."""
+    from finetune.families import load_architecture
+
+    config = load_architecture("gpt-oss-120b")
+    config.num_hidden_layers, config.layer_types = layers, config.layer_types[:layers]
+    return config
+
+
+def lora_config(rank: int, base: str = ""):
+    from peft import LoraConfig
+
+    from finetune.models import expert_lora
+
+    return LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                      target_parameters=list(expert_lora.EXPERT_WEIGHTS), base_model_name_or_path=base)
+
+
+def adapter_shapes(config, rank: int) -> dict:
+    """The adapter's tensors on the model of `config`, as peft saves them."""
+    import torch
+    from peft import get_peft_model, get_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+        return {name: tensor.shape for name, tensor in get_peft_model_state_dict(get_peft_model(skeleton, lora_config(
+            rank))).items()}
+
+
+def adapter_bytes(config, rank: int) -> int:
+    """Bytes of the adapter in float32 (peft keeps a LoRA's weights in float32 on a bf16 model and saves them so)."""
+    import math
+
+    return sum(4 * math.prod(shape) for shape in adapter_shapes(config, rank).values())
+
+
+def write_base_and_adapter(folder: Path, config, shard_bytes: int, rank: int = 16) -> tuple[Path, Path]:
+    """A random MXFP4 GPT-OSS of `config` in shards of at most `shard_bytes`, and a random LoRA adapter of `rank` on
+    its attention projections and expert weights."""
+    import safetensors.torch
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from benchmarks import mxfp4_checkpoints
+    from finetune.models import tiny
+
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
     shapes = {name: tensor.shape for name, tensor in skeleton.state_dict().items()}
@@ -44,15 +106,13 @@ def write_base_and_adapter(folder: Path, layers: int, hidden: int, experts: int,
                                                                                     .manual_seed(0)),
                                        base, shard_bytes=shard_bytes)
     tiny.build_tiny_tokenizer("gpt-oss").save_pretrained(base)
-    lora = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
-                      target_parameters=list(expert_lora.EXPERT_WEIGHTS), base_model_name_or_path=str(base))
     generator = torch.Generator().manual_seed(1)
-    shapes = {name: tensor.shape for name, tensor in get_peft_model_state_dict(get_peft_model(skeleton, lora)).items()}
     adapter = folder / "adapter"
     adapter.mkdir()
-    weights = {name: torch.randn(shape, generator=generator) * 0.01 for name, shape in shapes.items()}
+    weights = {name: torch.randn(shape, generator=generator) * 0.01
+               for name, shape in adapter_shapes(config, rank).items()}
     safetensors.torch.save_file(weights, str(adapter / "adapter_model.safetensors"))
-    lora.save_pretrained(adapter)
+    lora_config(rank, str(base)).save_pretrained(adapter)
     return base, adapter
 
 
@@ -87,22 +147,38 @@ def rss_bytes() -> int:
 
 
 def merge_peak(base: Path, adapter: Path, output: Path, streamed: bool) -> dict:
-    """Merge in this process; the peak host memory above what the process held just before, in bytes."""
+    """Merge in this process: its resident size just before, and the peaks above it, in bytes (the streamed merge's
+    split at the end of peft's read of the adapter)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, Mxfp4Config
 
     from finetune.commands import merge
-    from finetune.run import merging  # noqa: F401  (its imports, trl's among them, are not the merge's memory)
+    from finetune.run import merging  # its imports, trl's among them, are not the merge's memory
+
+    peaks = {}
+    load_adapter = merging.load_adapter
+
+    def load_adapter_and_mark(*args, **kwargs):
+        adapted = load_adapter(*args, **kwargs)
+        peaks["adapter_read_peak_above_start_bytes"] = peak_rss_bytes() - before
+        Path("/proc/self/clear_refs").write_text("5")
+        return adapted
 
     Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident size
     before = rss_bytes()
     if streamed:
-        merge.merge_adapter(str(adapter), str(output), str(base))
+        merging.load_adapter = load_adapter_and_mark
+        try:
+            merge.merge_adapter(str(adapter), str(output), str(base))
+        finally:
+            merging.load_adapter = load_adapter
+        peaks["merge_peak_above_start_bytes"] = peak_rss_bytes() - before
     else:  # the merge before the streamed one: the base loaded dequantized, merged by peft in memory
         loaded = AutoModelForCausalLM.from_pretrained(base, dtype="auto",
                                                       quantization_config=Mxfp4Config(dequantize=True))
         PeftModel.from_pretrained(loaded, adapter).merge_and_unload().save_pretrained(output)
-    return {"peak_above_start_bytes": peak_rss_bytes() - before}
+        peaks["merge_peak_above_start_bytes"] = peak_rss_bytes() - before
+    return {"start_rss_bytes": before, **peaks, "peak_above_start_bytes": max(peaks.values())}
 
 
 def shard_bytes(folder: Path) -> list[int]:
@@ -116,6 +192,11 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--experts", type=int, default=16)
     parser.add_argument("--shard_mb", type=float, default=8)
+    parser.add_argument("--rank", type=int, help="the adapter's rank (default 16; 3, the 120B recipe's, with "
+                                                   "--real_widths)")
+    parser.add_argument("--real_widths", action="store_true",
+                        help="GPT-OSS-120B's layers in 4 GiB shards (ignores --hidden, --experts, --shard_mb); the "
+                             "streamed merge only, extrapolated to 120B")
     parser.add_argument("--merge", choices=["streamed", "in-memory"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.merge:  # one measurement, in a fresh process
@@ -123,15 +204,40 @@ def main() -> None:
         output = args.folder / f"merged-{args.merge}"
         print(json.dumps(merge_peak(args.folder / "base", args.folder / "adapter", output, args.merge == "streamed")))
         return
-    write_base_and_adapter(args.folder, args.layers, args.hidden, args.experts, int(args.shard_mb * 2**20))
-    report = {"input_shards_bytes": shard_bytes(args.folder / "base")}
-    for mode in ("streamed", "in-memory"):
+    if args.real_widths:
+        config, stored_shard_bytes, rank = real_config(args.layers), HUB_SHARD_BYTES, args.rank or 3
+    else:
+        config, stored_shard_bytes = scaled_config(args.layers, args.hidden, args.experts), int(args.shard_mb * 2**20)
+        rank = args.rank or 16
+    write_base_and_adapter(args.folder, config, stored_shard_bytes, rank)
+    report = {"layers": args.layers, "rank": rank, "input_shards_bytes": shard_bytes(args.folder / "base"),
+              "adapter_bytes": shard_bytes(args.folder / "adapter")[0]}
+    for mode in ("streamed",) if args.real_widths else ("streamed", "in-memory"):
         result = subprocess.run([sys.executable, __file__, "--folder", str(args.folder), "--merge", mode],
                                 capture_output=True, text=True, check=True)
         report[mode] = json.loads(result.stdout.strip().splitlines()[-1])
         report[mode]["output_shards_bytes"] = shard_bytes(args.folder / f"merged-{mode}")
-    report["bit_equal"] = same_tensors(args.folder / "merged-streamed", args.folder / "merged-in-memory")
+    if args.real_widths:
+        report["at_120b"] = extrapolated(report, real_config(REAL_LAYERS), rank)
+    else:
+        report["bit_equal"] = same_tensors(args.folder / "merged-streamed", args.folder / "merged-in-memory")
     print(json.dumps(report, indent=2))
+
+
+def extrapolated(report: dict, config, rank: int) -> dict:
+    """The streamed merge's peak at 120B by the docstring's formula, against two of its 4 GiB stored shards, at the
+    measured rank and at r16 (the H200 recipe's)."""
+    measured = report["streamed"]
+    at_120b = {"two_stored_shards_gib": 2 * HUB_SHARD_BYTES / GIB}
+    for at_rank in sorted({rank, 16}):
+        adapter = adapter_bytes(config, at_rank)
+        adapter_read = measured["adapter_read_peak_above_start_bytes"] * adapter / report["adapter_bytes"]
+        peak = max(adapter_read, measured["merge_peak_above_start_bytes"])
+        at_120b[f"r{at_rank}"] = {"adapter_gib": round(adapter / GIB, 2),
+                                  "adapter_read_peak_above_start_gib": round(adapter_read / GIB, 2),
+                                  "peak_above_start_gib": round(peak / GIB, 2),
+                                  "peak_rss_gib": round((peak + measured["start_rss_bytes"]) / GIB, 2)}
+    return at_120b
 
 
 def same_tensors(folder: Path, other: Path) -> bool:

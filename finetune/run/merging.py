@@ -65,16 +65,19 @@ def merge(checkpoint: Path, base_model: str, adapter_dir: str, output: Path) -> 
     for name in planned:
         names_of.setdefault(_unit_of(name, units), []).append(name)
     adapter_file = Path(adapter_dir) / ADAPTER_WEIGHTS
-    for name in names_of.pop(None, []):
-        for rows in stored.pieces(name):
-            shards.write(name, stored.rows(name, rows))
-    for unit_name, names in names_of.items():
-        unit = units[unit_name]
-        if _is_expert_stack(unit):
-            _merge_expert_stack(adapted, unit_name, unit, names, stored, shards, adapter_file)
-        else:
-            for name, tensor in _merged_unit(adapted, unit_name, unit, names, places, stored, adapter_file).items():
-                shards.write(name, tensor)
+    for name in planned:  # in order, so that each output shard is written through before the next one opens
+        unit_name = _unit_of(name, units)
+        if unit_name is None:
+            for rows in stored.pieces(name):
+                shards.write(name, stored.rows(name, rows))
+        elif name == names_of[unit_name][0]:
+            unit = units[unit_name]
+            if _is_expert_stack(unit):
+                _merge_expert_stack(adapted, unit_name, unit, names_of[unit_name], stored, shards, adapter_file)
+            else:
+                merged = _merged_unit(adapted, unit_name, unit, names_of[unit_name], places, stored, adapter_file)
+                for merged_name, tensor in merged.items():
+                    shards.write(merged_name, tensor)
     shards.close()
     config.save_pretrained(output)
     if (checkpoint / "generation_config.json").is_file():  # as from_pretrained reads it; else from the config
