@@ -147,21 +147,22 @@ def rss_bytes() -> int:
 
 
 def merge_peak(base: Path, adapter: Path, output: Path, streamed: bool) -> dict:
-    """Merge in this process: its resident size just before, and the peaks above it, in bytes (the streamed merge's
-    split at the end of peft's read of the adapter)."""
+    """Merge in this process: its resident size just before, and the peaks above it, in bytes; the streamed merge's
+    split at the end of peft's read of the whole adapter, with what the process still held then."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, Mxfp4Config
 
     from finetune.commands import merge
     from finetune.run import merging  # its imports, trl's among them, are not the merge's memory
 
-    peaks = {}
+    peaks, held = {}, {}
     load_adapter = merging.load_adapter
 
     def load_adapter_and_mark(*args, **kwargs):
         adapted = load_adapter(*args, **kwargs)
         peaks["adapter_read_peak_above_start_bytes"] = peak_rss_bytes() - before
         Path("/proc/self/clear_refs").write_text("5")
+        held["held_after_adapter_read_bytes"] = rss_bytes() - before
         return adapted
 
     Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident size
@@ -178,7 +179,7 @@ def merge_peak(base: Path, adapter: Path, output: Path, streamed: bool) -> dict:
                                                       quantization_config=Mxfp4Config(dequantize=True))
         PeftModel.from_pretrained(loaded, adapter).merge_and_unload().save_pretrained(output)
         peaks["merge_peak_above_start_bytes"] = peak_rss_bytes() - before
-    return {"start_rss_bytes": before, **peaks, "peak_above_start_bytes": max(peaks.values())}
+    return {"start_rss_bytes": before, **peaks, **held, "peak_above_start_bytes": max(peaks.values())}
 
 
 def shard_bytes(folder: Path) -> list[int]:

@@ -1,6 +1,6 @@
 """`finetune merge` of a LoRA adapter into a GPT-OSS MXFP4 base, shard by shard (finetune/run/merging.py): the
 merged model is the one peft's merge_and_unload gives on the base loaded dequantized in memory, bit for bit, in the
-hub's layout from_pretrained loads, while host memory holds about one input shard and its output, not the model.
+hub's layout from_pretrained loads, while host memory holds a chunk of experts, not a shard nor the model.
 """
 
 import json
@@ -12,7 +12,7 @@ from safetensors import safe_open
 from benchmarks import merge_memory, mxfp4_checkpoints
 from finetune import cli
 from finetune.models import expert_lora, mxfp4_experts
-from finetune.run import merging
+from finetune.run import merging, shard_writing
 
 
 @pytest.fixture(scope="module")
@@ -89,22 +89,59 @@ def test_streamed_merge_of_an_mxfp4_base_is_the_in_memory_merge_bit_for_bit(smal
     assert different == (set() if dequantizer is None else expert_weights)
 
 
-def merged_size(folder) -> int:
-    return sum(path.stat().st_size for path in folder.glob("*.safetensors"))
+def test_streamed_merge_writes_the_files_and_index_save_pretrained_writes_of_the_in_memory_merge(
+        small_shards, adapter, tmp_path, capfd):
+    """Byte for byte, with shards as large as the largest stored one: so from_pretrained loads them as it loads
+    save_pretrained's."""
+    from peft import PeftModel
+
+    largest_stored_shard = max(path.stat().st_size for path in small_shards.glob("*.safetensors"))
+    in_memory = PeftModel.from_pretrained(dequantized(small_shards), adapter).merge_and_unload()
+    in_memory.save_pretrained(tmp_path / "saved", max_shard_size=largest_stored_shard)
+    merged = tmp_path / "merged"
+    assert cli.main(["merge", str(adapter), str(merged), "--base_model", str(small_shards)]) == 0, capfd.readouterr().err
+    saved = sorted(path.name for path in (tmp_path / "saved").glob("*.safetensors"))
+    assert len(saved) > 1 and sorted(path.name for path in merged.glob("*.safetensors")) == saved
+    for name in [*saved, "model.safetensors.index.json"]:
+        assert (merged / name).read_bytes() == (tmp_path / "saved" / name).read_bytes(), name
+
+
+def test_a_safetensors_file_written_a_piece_at_a_time_is_the_one_safetensors_writes(tmp_path):
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    tensors = {"rows": torch.randn(5, 3).to(torch.bfloat16), "matrix": torch.randn(7, 2),
+               "codes": torch.arange(5, dtype=torch.uint8), "scalar": torch.tensor(2.0)}
+    save_file(tensors, str(tmp_path / "whole.safetensors"), metadata={"format": "pt"})
+    pieces = shard_writing.SafetensorsFile(tmp_path / "pieces.safetensors",
+                                           {name: tensor.to("meta") for name, tensor in tensors.items()})
+    for name, rows in [("codes", slice(0, 2)), ("rows", slice(0, 4)), ("scalar", ...), ("matrix", slice(None)),
+                       ("codes", slice(2, None)), ("rows", slice(4, None))]:
+        assert not pieces.complete()
+        pieces.write(name, tensors[name][rows])
+    pieces.close()
+    assert (tmp_path / "pieces.safetensors").read_bytes() == (tmp_path / "whole.safetensors").read_bytes()
+    with safe_open(str(tmp_path / "pieces.safetensors"), "pt") as read_back:
+        assert all(torch.equal(read_back.get_tensor(name), tensor) for name, tensor in tensors.items())
 
 
 @pytest.mark.skipif(not merge_memory.measurable(), reason="needs Linux's /proc/self/clear_refs and glibc's mallopt")
-def test_streamed_merge_holds_shards_not_the_model_in_host_memory(tmp_path):
-    """The peak host memory of a merge 4x as deep (12 layers instead of 3, stored in MXFP4 shards of 2 MiB, 6.6 MB a layer merged)
-    grows by less than half of what the model grows by (57 MiB: 7 MiB measured, most of it the adapter peft reads
-    whole); holding every merged tensor until the end grows it by 65 MiB."""
+def test_streamed_merge_holds_less_than_two_stored_shards_in_host_memory(small_shards, adapter, tmp_path,
+                                                                          monkeypatch, capfd):
+    """A layer of 128 experts of width 384 (113 MB merged, 28 MB stored) in shards of 24 MiB, merged 2 experts at a
+    time: the peak host memory above the process's resident size before the merge stays under two stored shards,
+    where holding one merged expert weight (75 MB), let alone the layer, would not."""
     merge_memory.serve_large_allocations_from_mmap()
-    peaks, sizes = {}, {}
-    for layers in (3, 3, 12):  # the first merge imports and initialises what later ones reuse
-        base, adapter = merge_memory.write_base_and_adapter(tmp_path / f"{layers}-{len(peaks)}", layers, hidden=256,
-                                                            experts=16, shard_bytes=2 << 20)
-        output = base.parent / "merged"
-        peaks[layers] = merge_memory.merge_peak(base, adapter, output, streamed=True)["peak_above_start_bytes"]
-        sizes[layers] = merged_size(output)
-    assert sizes[12] - sizes[3] > 50 << 20
-    assert peaks[12] - peaks[3] < (sizes[12] - sizes[3]) / 2, (peaks, sizes)
+    command = ["merge", str(adapter), str(tmp_path / "warm-up"), "--base_model", str(small_shards)]
+    assert cli.main(command) == 0, capfd.readouterr().err  # what the first merge imports and initialises
+    stored_shard_bytes = 24 << 20
+    config = merge_memory.scaled_config(layers=1, hidden=384, experts=128)
+    base, adapter = merge_memory.write_base_and_adapter(tmp_path, config, stored_shard_bytes, rank=3)
+    monkeypatch.setattr(merging, "EXPERTS_PER_CHUNK", 2)
+    merged = tmp_path / "merged"
+    peak = merge_memory.merge_peak(base, adapter, merged, streamed=True)["peak_above_start_bytes"]
+    assert max(path.stat().st_size for path in base.glob("*.safetensors")) <= stored_shard_bytes
+    assert max(path.stat().st_size for path in merged.glob("*.safetensors")) > 2 * stored_shard_bytes
+    assert peak < 2 * stored_shard_bytes, peak
+
+

@@ -31,8 +31,8 @@ from finetune.run.model import load_adapter
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PACKED_SUFFIXES = ("_blocks", "_scales")
-# Experts dequantized at once: the reference dequantizer's float32 temporaries are ~12 bytes per weight, 4 GiB for
-# one 120B gate_up_proj of 8 experts instead of 64 GiB for all 128.
+# Experts dequantized and merged at once: with their float32 temporaries (~13 bytes a weight) the merge of 8 experts of
+# a 120B gate_up_proj peaks 1.6 GiB above the process's size before it (benchmarks/merge_memory.py --real_widths).
 EXPERTS_PER_CHUNK = 8
 # Values of any other tensor read and written at once: 128 MiB in bf16, an eighth of the 120B embedding.
 VALUES_PER_PIECE = 1 << 26
@@ -52,9 +52,7 @@ def merge(checkpoint: Path, base_model: str, adapter_dir: str, output: Path) -> 
         skeleton = AutoModelForCausalLM.from_config(config, dtype=config.dtype)
     stored = _StoredTensors(mxfp4_loading.weight_files(checkpoint), config.dtype)
     places = _places(skeleton, stored)
-    planned = {name: torch.empty(getattr(*place).shape, device="meta",
-                                 dtype=config.dtype if getattr(*place).is_floating_point() else getattr(*place).dtype)
-               for name, place in places.items()}
+    planned = {name: _as_loaded(getattr(*place), config.dtype) for name, place in places.items()}
     largest_stored_shard = max(path.stat().st_size for path in set(stored.files.values()))
     shards = shard_writing.ShardedModel(output, planned, largest_stored_shard, skeleton.num_parameters())
     with warnings.catch_warnings():  # torch's: the adapter's weights are not copied into the meta skeleton, on purpose
@@ -152,6 +150,11 @@ def _places(skeleton: torch.nn.Module, stored: _StoredTensors) -> dict[str, tupl
             module_name, _, attribute = name.rpartition(".")
             places[name] = (skeleton.get_submodule(module_name), attribute)
     return places
+
+
+def _as_loaded(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A meta tensor of the shape and dtype from_pretrained(dtype="auto") gives `tensor`."""
+    return torch.empty(tensor.shape, device="meta", dtype=dtype if tensor.is_floating_point() else tensor.dtype)
 
 
 def _merge_units(skeleton: torch.nn.Module) -> dict[str, torch.nn.Module]:
