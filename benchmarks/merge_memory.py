@@ -10,13 +10,16 @@ adapter read) and again at the end.
     python benchmarks/merge_memory.py --folder /tmp/merge-memory-120b --real_widths --layers 2   # ~22 GB of disk
 
 With --real_widths the layers are GPT-OSS-120B's (finetune/model_configs/gpt-oss-120b.json: 128 experts of width
-2880, the 201,088-token vocabulary), stored in shards of 4 GiB as openai/gpt-oss-120b is. The merge then holds what it
-holds at 120B, one chunk of experts of the real size and one module's adapter weights, at any depth; only peft's read
-of the whole adapter at the start grows with the depth. So at 120B (36 layers)
+2880, the 201,088-token vocabulary), stored in shards of 4 GiB as openai/gpt-oss-120b is, and the adapter has the
+120B recipe's rank 3 unless --rank says otherwise. The merge then holds what it holds at 120B, a chunk of experts of
+the real size and one module's adapter weights, at any depth; only peft's read of the whole adapter at the start, and
+what the process keeps of it, grow with the depth. So that read is measured on its own, on the meta model of all 36
+layers with a random adapter of the same rank (0.75 GiB at r3, 4 GiB at r16, fp32 as peft saves it), and at 120B
 
-    peak above start = max(adapter read measured x adapter bytes at 120B / adapter bytes measured, merge measured)
+    peak above start = max(adapter read, held after the adapter read + (merge peak - held after the adapter read
+                           at the measured depth))
 
-with the adapter's bytes at 120B counted from the real architecture at the same rank (fp32, as peft saves it).
+against two stored shards, 8 GiB.
 """
 
 import argparse
@@ -81,17 +84,9 @@ def adapter_shapes(config, rank: int) -> dict:
             rank))).items()}
 
 
-def adapter_bytes(config, rank: int) -> int:
-    """Bytes of the adapter in float32 (peft keeps a LoRA's weights in float32 on a bf16 model and saves them so)."""
-    import math
-
-    return sum(4 * math.prod(shape) for shape in adapter_shapes(config, rank).values())
-
-
 def write_base_and_adapter(folder: Path, config, shard_bytes: int, rank: int = 16) -> tuple[Path, Path]:
     """A random MXFP4 GPT-OSS of `config` in shards of at most `shard_bytes`, and a random LoRA adapter of `rank` on
     its attention projections and expert weights."""
-    import safetensors.torch
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -106,14 +101,21 @@ def write_base_and_adapter(folder: Path, config, shard_bytes: int, rank: int = 1
                                                                                     .manual_seed(0)),
                                        base, shard_bytes=shard_bytes)
     tiny.build_tiny_tokenizer("gpt-oss").save_pretrained(base)
+    return base, write_adapter(folder / "adapter", config, rank, base)
+
+
+def write_adapter(adapter: Path, config, rank: int, base: Path) -> Path:
+    """A random LoRA adapter of `rank` on the attention projections and expert weights of the model of `config`."""
+    import safetensors.torch
+    import torch
+
     generator = torch.Generator().manual_seed(1)
-    adapter = folder / "adapter"
-    adapter.mkdir()
+    adapter.mkdir(parents=True)
     weights = {name: torch.randn(shape, generator=generator) * 0.01
                for name, shape in adapter_shapes(config, rank).items()}
     safetensors.torch.save_file(weights, str(adapter / "adapter_model.safetensors"))
     lora_config(rank, str(base)).save_pretrained(adapter)
-    return base, adapter
+    return adapter
 
 
 def measurable() -> bool:
@@ -156,10 +158,10 @@ def merge_peak(base: Path, adapter: Path, output: Path, streamed: bool) -> dict:
     from finetune.run import merging  # its imports, trl's among them, are not the merge's memory
 
     peaks, held = {}, {}
-    load_adapter = merging.load_adapter
+    adapter_on = merging.adapter_on
 
-    def load_adapter_and_mark(*args, **kwargs):
-        adapted = load_adapter(*args, **kwargs)
+    def adapter_on_and_mark(*args, **kwargs):
+        adapted = adapter_on(*args, **kwargs)
         peaks["adapter_read_peak_above_start_bytes"] = peak_rss_bytes() - before
         Path("/proc/self/clear_refs").write_text("5")
         held["held_after_adapter_read_bytes"] = rss_bytes() - before
@@ -168,11 +170,11 @@ def merge_peak(base: Path, adapter: Path, output: Path, streamed: bool) -> dict:
     Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident size
     before = rss_bytes()
     if streamed:
-        merging.load_adapter = load_adapter_and_mark
+        merging.adapter_on = adapter_on_and_mark
         try:
             merge.merge_adapter(str(adapter), str(output), str(base))
         finally:
-            merging.load_adapter = load_adapter
+            merging.adapter_on = adapter_on
         peaks["merge_peak_above_start_bytes"] = peak_rss_bytes() - before
     else:  # the merge before the streamed one: the base loaded dequantized, merged by peft in memory
         loaded = AutoModelForCausalLM.from_pretrained(base, dtype="auto",
@@ -180,6 +182,18 @@ def merge_peak(base: Path, adapter: Path, output: Path, streamed: bool) -> dict:
         PeftModel.from_pretrained(loaded, adapter).merge_and_unload().save_pretrained(output)
         peaks["merge_peak_above_start_bytes"] = peak_rss_bytes() - before
     return {"start_rss_bytes": before, **peaks, **held, "peak_above_start_bytes": max(peaks.values())}
+
+
+def adapter_read_peak(config_folder: Path, adapter: Path) -> dict:
+    """The streamed merge's first step alone, in this process: peft's read of the whole adapter onto the meta model of
+    the config in `config_folder`; the peak above the resident size before and what is held after, in bytes."""
+    from finetune.run import merging
+
+    Path("/proc/self/clear_refs").write_text("5")
+    before = rss_bytes()
+    merging.adapter_on(merging.meta_model(config_folder)[1], str(adapter), str(config_folder))
+    return {"adapter_read_peak_above_start_bytes": peak_rss_bytes() - before,
+            "held_after_adapter_read_bytes": rss_bytes() - before}
 
 
 def shard_bytes(folder: Path) -> list[int]:
@@ -198,10 +212,13 @@ def main() -> None:
     parser.add_argument("--real_widths", action="store_true",
                         help="GPT-OSS-120B's layers in 4 GiB shards (ignores --hidden, --experts, --shard_mb); the "
                              "streamed merge only, extrapolated to 120B")
-    parser.add_argument("--merge", choices=["streamed", "in-memory"], help=argparse.SUPPRESS)
+    parser.add_argument("--merge", choices=["streamed", "in-memory", "adapter-read"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.merge:  # one measurement, in a fresh process
         serve_large_allocations_from_mmap()
+        if args.merge == "adapter-read":
+            print(json.dumps(adapter_read_peak(args.folder / "base", args.folder / "adapter")))
+            return
         output = args.folder / f"merged-{args.merge}"
         print(json.dumps(merge_peak(args.folder / "base", args.folder / "adapter", output, args.merge == "streamed")))
         return
@@ -214,31 +231,48 @@ def main() -> None:
     report = {"layers": args.layers, "rank": rank, "input_shards_bytes": shard_bytes(args.folder / "base"),
               "adapter_bytes": shard_bytes(args.folder / "adapter")[0]}
     for mode in ("streamed",) if args.real_widths else ("streamed", "in-memory"):
-        result = subprocess.run([sys.executable, __file__, "--folder", str(args.folder), "--merge", mode],
-                                capture_output=True, text=True, check=True)
-        report[mode] = json.loads(result.stdout.strip().splitlines()[-1])
+        report[mode] = measured(args.folder, mode)
         report[mode]["output_shards_bytes"] = shard_bytes(args.folder / f"merged-{mode}")
     if args.real_widths:
-        report["at_120b"] = extrapolated(report, real_config(REAL_LAYERS), rank)
+        report["at_120b"] = extrapolated(report, args.folder / "at-120b", rank)
     else:
         report["bit_equal"] = same_tensors(args.folder / "merged-streamed", args.folder / "merged-in-memory")
     print(json.dumps(report, indent=2))
 
 
-def extrapolated(report: dict, config, rank: int) -> dict:
-    """The streamed merge's peak at 120B by the docstring's formula, against two of its 4 GiB stored shards, at the
-    measured rank and at r16 (the H200 recipe's)."""
-    measured = report["streamed"]
-    at_120b = {"two_stored_shards_gib": 2 * HUB_SHARD_BYTES / GIB}
-    for at_rank in sorted({rank, 16}):
-        adapter = adapter_bytes(config, at_rank)
-        adapter_read = measured["adapter_read_peak_above_start_bytes"] * adapter / report["adapter_bytes"]
-        peak = max(adapter_read, measured["merge_peak_above_start_bytes"])
-        at_120b[f"r{at_rank}"] = {"adapter_gib": round(adapter / GIB, 2),
-                                  "adapter_read_peak_above_start_gib": round(adapter_read / GIB, 2),
-                                  "peak_above_start_gib": round(peak / GIB, 2),
-                                  "peak_rss_gib": round((peak + measured["start_rss_bytes"]) / GIB, 2)}
-    return at_120b
+def measured(folder: Path, mode: str) -> dict:
+    result = subprocess.run([sys.executable, __file__, "--folder", str(folder), "--merge", mode],
+                            capture_output=True, text=True, check=True)
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def extrapolated(report: dict, folder: Path, rank: int) -> dict:
+    """The streamed merge's peak at 120B by the docstring's formula, against two of its 4 GiB stored shards: peft's
+    read of the 120B adapter measured on the meta model of the 36 layers (the adapter written into `folder`, deleted
+    after), the merge after it from `report`."""
+    import shutil
+
+    from benchmarks import mxfp4_checkpoints
+
+    config = real_config(REAL_LAYERS)
+    config.quantization_config = dict(mxfp4_checkpoints.QUANTIZATION_CONFIG)
+    config_folder = folder / "base"
+    config_folder.mkdir(parents=True)
+    config.save_pretrained(config_folder)
+    write_adapter(folder / "adapter", config, rank, config_folder)
+    try:
+        adapter_read = measured(folder, "adapter-read")
+        adapter = shard_bytes(folder / "adapter")[0]
+    finally:
+        shutil.rmtree(folder)
+    merge = report["streamed"]
+    merge_above_held = merge["merge_peak_above_start_bytes"] - merge["held_after_adapter_read_bytes"]
+    peak = max(adapter_read["adapter_read_peak_above_start_bytes"],
+               adapter_read["held_after_adapter_read_bytes"] + merge_above_held)
+    return {"adapter_bytes": adapter, **adapter_read, "merge_peak_above_held_bytes": merge_above_held,
+            "peak_above_start_gib": round(peak / GIB, 2),
+            "peak_rss_gib": round((peak + merge["start_rss_bytes"]) / GIB, 2),
+            "two_stored_shards_gib": 2 * HUB_SHARD_BYTES / GIB}
 
 
 def same_tensors(folder: Path, other: Path) -> bool:

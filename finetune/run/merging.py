@@ -43,21 +43,15 @@ def merge(checkpoint: Path, base_model: str, adapter_dir: str, output: Path) -> 
     into the existing, empty folder `output`: safetensors shards (with a model.safetensors.index.json when more than
     one), config.json without quantization_config (the experts are now in the config's dtype) and
     generation_config.json."""
-    from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    from transformers import GenerationConfig
 
-    config = AutoConfig.from_pretrained(checkpoint)
-    del config.quantization_config  # the experts are written dequantized
-    with init_empty_weights(include_buffers=False):
-        skeleton = AutoModelForCausalLM.from_config(config, dtype=config.dtype)
+    config, skeleton = meta_model(checkpoint)
     stored = _StoredTensors(mxfp4_loading.weight_files(checkpoint), config.dtype)
     places = _places(skeleton, stored)
     planned = {name: _as_loaded(getattr(*place), config.dtype) for name, place in places.items()}
     largest_stored_shard = max(path.stat().st_size for path in set(stored.files.values()))
     shards = shard_writing.ShardedModel(output, planned, largest_stored_shard, skeleton.num_parameters())
-    with warnings.catch_warnings():  # torch's: the adapter's weights are not copied into the meta skeleton, on purpose
-        warnings.filterwarnings("ignore", message=".*copying from a non-meta parameter.*to a meta parameter")
-        adapted = load_adapter(skeleton, adapter_dir, base_model, "--base_model")  # wraps the skeleton's modules
+    adapted = adapter_on(skeleton, adapter_dir, base_model)
     units = _merge_units(skeleton)
     names_of: dict[str | None, list[str]] = {}
     for name in planned:
@@ -81,6 +75,26 @@ def merge(checkpoint: Path, base_model: str, adapter_dir: str, output: Path) -> 
     if (checkpoint / "generation_config.json").is_file():  # as from_pretrained reads it; else from the config
         skeleton.generation_config = GenerationConfig.from_pretrained(checkpoint)
     skeleton.generation_config.save_pretrained(output)
+
+
+def meta_model(checkpoint: Path):
+    """(config without quantization_config, as the merged model's experts are in its dtype; the model on the meta
+    device)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(checkpoint)
+    del config.quantization_config
+    with init_empty_weights(include_buffers=False):
+        return config, AutoModelForCausalLM.from_config(config, dtype=config.dtype)
+
+
+def adapter_on(skeleton: torch.nn.Module, adapter_dir: str, base_model: str):
+    """The adapter's PeftModel on the meta `skeleton` (peft wraps the skeleton's modules): its weights are read and
+    left out, each module's read again when it is merged."""
+    with warnings.catch_warnings():  # torch's: the adapter's weights are not copied into the meta skeleton, on purpose
+        warnings.filterwarnings("ignore", message=".*copying from a non-meta parameter.*to a meta parameter")
+        return load_adapter(skeleton, adapter_dir, base_model, "--base_model")
 
 
 class _StoredTensors:
