@@ -41,8 +41,10 @@ says what to revisit and which test fails first.
   and this toolkit compiles the layers alone.
   targets: transformers 5.17 and 5.25 (`utils/output_capturing.py`: `install_output_capuring_hook`'s inner
   `output_capturing_hook(module, args, output)`, `maybe_install_capturing_hooks`, `PreTrainedModel.can_record_outputs`).
-  guarded by: test_compile_once.py::test_compiled_gpt_oss_layers_capture_router_logits_without_a_graph_break (one
-  graph per layer type, no break) and ::test_compiled_gpt_oss_gives_the_eager_loss_aux_loss_and_lora_gradients.
+  guarded by: test_compiled_output_capture.py::test_compiled_gpt_oss_layers_capture_router_logits_without_a_graph_break
+  (no break, at most one graph per layer type, eager's loss, aux loss and LoRA gradients, with and without
+  checkpointing, transformers 5.17 and 5.25) and
+  test_compile_once.py::test_compiled_recipes_compile_once_for_rows_of_every_length (the GPT-OSS recipe's one graph).
 - `activation_checkpointing_found`
   does: reads how the prepared model's layers are checkpointed: torch's `CheckpointWrapper` around them (imported from
   the private `torch.distributed.algorithms._checkpoint.checkpoint_wrapper`, where accelerate's
