@@ -357,13 +357,11 @@ def _take_capturing_hooks(module, output_capturing) -> bool:
         del module._forward_hooks[key]
         module._forward_hooks_with_kwargs.pop(key, None)
         module._forward_hooks_always_called.pop(key, None)
-    deferred = module.__dict__.get(_DEFERRED_HOOKS)
-    if deferred is None and taken:
-        deferred = module.__dict__[_DEFERRED_HOOKS] = []
+    if taken and _DEFERRED_HOOKS not in module.__dict__:
+        module.__dict__[_DEFERRED_HOOKS] = []
         module.register_forward_hook(_stash_or_capture)
-    if taken:
-        deferred.extend(hook for _, hook in taken)
-    return deferred is not None
+    module.__dict__.get(_DEFERRED_HOOKS, []).extend(hook for _, hook in taken)
+    return _DEFERRED_HOOKS in module.__dict__
 
 
 def _stash_or_capture(module, args, output):
