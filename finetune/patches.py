@@ -26,6 +26,25 @@ says what to revisit and which test fails first.
   trl 1.16 `OffloadActivations` (saved-tensor hooks around `training_step`, forward and backward).
   guarded by: test_train.py::test_under_checkpointing_a_layer_with_a_graph_break_is_still_compiled_once_for_all_layers
   and test_train.py::test_offloading_compiled_checkpoints_moves_only_layer_inputs_and_keeps_the_gradients.
+- `defer_output_capture`, `compiled_then_handed_over`
+  does: where the model is set to return outputs its layers record (GPT-OSS's router logits: TRL turns on the MoE
+  load-balancing loss through `output_router_logits`), installs transformers' output-capturing forward hooks at once
+  (`maybe_install_capturing_hooks`), takes them out of each decoder layer's modules (`nn.Module._forward_hooks`; the
+  hooks are found by their function's module and name) and puts one shared hook in their place: run by compiled code
+  it only stashes the module's inputs and output on the module, run eagerly it calls transformers' hooks. After each
+  compiled layer call, eagerly, `compiled_then_handed_over` gives the stashes to transformers' hooks, children before
+  parents (the order their forwards end), so the collector gets the same tensors in the same order as without
+  compiling.
+  why: transformers' hooks read a `ContextVar` (`_active_collector.get()`), which dynamo cannot trace: every
+  GPT-OSS layer broke into about ten frames (20 graphs, ~100 s of compiling on one H100 before the first step);
+  transformers' `CompileableContextVar` traces only when the whole model is compiled (its `set` runs while compiling),
+  and this toolkit compiles the layers alone.
+  targets: transformers 5.17 and 5.25 (`utils/output_capturing.py`: `install_output_capuring_hook`'s inner
+  `output_capturing_hook(module, args, output)`, `maybe_install_capturing_hooks`, `PreTrainedModel.can_record_outputs`).
+  guarded by: test_compiled_output_capture.py::test_compiled_gpt_oss_layers_capture_router_logits_without_a_graph_break
+  (no break, at most one graph per layer type, eager's loss, aux loss and LoRA gradients, with and without
+  checkpointing, transformers 5.17 and 5.25) and
+  test_compile_once.py::test_compiled_recipes_compile_once_for_rows_of_every_length (the GPT-OSS recipe's one graph).
 - `activation_checkpointing_found`
   does: reads how the prepared model's layers are checkpointed: torch's `CheckpointWrapper` around them (imported from
   the private `torch.distributed.algorithms._checkpoint.checkpoint_wrapper`, where accelerate's
@@ -297,12 +316,87 @@ def decoder_layers(model) -> list:
 def compile_inside_checkpoints(model, compiled_call, offloading: bool = False) -> None:
     """Every checkpointed layer runs checkpoint(compiled(layer)) instead of compiled(checkpoint(layer)); one compiled
     function serves all layers, so the layer compiles once. With activation offloading only the checkpoint's inputs
-    go to the CPU: the layer recomputed in backward keeps its tensors on the device until its gradients are done."""
+    go to the CPU: the layer recomputed in backward keeps its tensors on the device until its gradients are done.
+    Outputs the layer's modules capture go to transformers after the compiled call (defer_output_capture)."""
     call = partial(_call_keeping_saved_tensors, compiled_call) if offloading else compiled_call
-    for module in decoder_layers(model):
+    capturing = defer_output_capture(model)
+    for index, module in enumerate(decoder_layers(model)):
         checkpoint = getattr(module, "_gradient_checkpointing_func", None)
         if not _compiled_inside_checkpoint(module):
-            module._gradient_checkpointing_func = partial(_checkpoint_compiled, checkpoint, call)
+            layer_call = partial(compiled_then_handed_over, call, capturing[index]) if capturing else call
+            module._gradient_checkpointing_func = partial(_checkpoint_compiled, checkpoint, layer_call)
+
+
+_DEFERRED_HOOKS = "_finetune_output_capture"  # transformers' hooks taken out of the compiled region, on their module
+_STASHED = "_finetune_captured"  # (inputs, output) a compiled forward left for them
+
+
+def defer_output_capture(model) -> list:
+    """Where the model captures outputs of its layers' modules (its config asks for any of `can_record_outputs`),
+    transformers' capturing hooks inside the decoder layers run eagerly after each compiled layer instead of inside
+    it. Returns, per decoder layer, its modules that capture (children before parents); empty where nothing captures."""
+    from transformers.modeling_utils import PreTrainedModel
+    from transformers.utils import output_capturing
+
+    layers = decoder_layers(model)
+    recording = [module for module in model.modules() if isinstance(module, PreTrainedModel)
+                 and any(getattr(module.config, f"output_{key}", False) for key in module.can_record_outputs)
+                 and layers and any(layer is layers[0] for layer in module.modules())]
+    if not recording:
+        return []
+    output_capturing.maybe_install_capturing_hooks(recording[-1])
+    per_layer = []
+    for layer in layers:
+        capturing = [module for module in _children_first(layer) if _take_capturing_hooks(module, output_capturing)]
+        per_layer.append(capturing)
+    return per_layer if any(per_layer) else []
+
+
+def _children_first(module):
+    for child in module.children():
+        yield from _children_first(child)
+    yield module
+
+
+def _take_capturing_hooks(module, output_capturing) -> bool:
+    """Moves transformers' capturing hooks of `module` into its deferred list, with the shared hook in their place;
+    whether the module captures anything."""
+    taken = [(key, hook) for key, hook in module._forward_hooks.items()
+             if getattr(hook, "__module__", None) == output_capturing.__name__
+             and getattr(hook, "__name__", None) == "output_capturing_hook"]
+    for key, _ in taken:
+        del module._forward_hooks[key]
+        module._forward_hooks_with_kwargs.pop(key, None)
+        module._forward_hooks_always_called.pop(key, None)
+    if taken and _DEFERRED_HOOKS not in module.__dict__:
+        module.__dict__[_DEFERRED_HOOKS] = []
+        module.register_forward_hook(_stash_or_capture)
+    module.__dict__.get(_DEFERRED_HOOKS, []).extend(hook for _, hook in taken)
+    return _DEFERRED_HOOKS in module.__dict__
+
+
+def _stash_or_capture(module, args, output):
+    """One hook for every capturing module, so that all layers look the same to the compiler: compiled, an attribute
+    write (dynamo replays it after the graph); eager, transformers' own hooks."""
+    import torch
+
+    if torch.compiler.is_compiling():
+        setattr(module, _STASHED, (args, output))
+    else:
+        for hook in module.__dict__[_DEFERRED_HOOKS]:
+            hook(module, args, output)
+
+
+def compiled_then_handed_over(compiled_call, capturing: list, function, *args):
+    """`compiled_call(function, *args)`, then, eagerly, what the compiled layer's modules stashed goes to
+    transformers' hooks (to the collector when one is active, else nowhere), and the stashes are dropped."""
+    output = compiled_call(function, *args)
+    for module in capturing:
+        stashed = module.__dict__.pop(_STASHED, None)
+        if stashed is not None:
+            for hook in module.__dict__[_DEFERRED_HOOKS]:
+                hook(module, *stashed)
+    return output
 
 
 def _compiled_inside_checkpoint(layer) -> bool:

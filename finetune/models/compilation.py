@@ -22,6 +22,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from transformers import TrainerCallback
@@ -135,14 +136,28 @@ def call(function, *args):
 
 class CompileEachLayer(TrainerCallback):
     """Once the Trainer has prepared the model, each decoder layer is compiled in place with dynamic shapes (one
-    graph for every row length and every layer)."""
+    graph for every row length and every layer). A model that captures outputs of the layers' modules (GPT-OSS's
+    router logits for TRL's load-balancing loss) has each layer's forward run through one compiled function instead,
+    so that, eagerly after each layer, the captured outputs go to transformers (patches.defer_output_capture)."""
 
     def __init__(self, backend: str | None, mode: str | None):
         self.backend, self.mode = backend or "inductor", mode
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        for layer in patches.decoder_layers(model):
-            layer.compile(backend=self.backend, mode=self.mode, dynamic=True)
+        capturing = patches.defer_output_capture(model)
+        if not capturing:
+            for layer in patches.decoder_layers(model):
+                layer.compile(backend=self.backend, mode=self.mode, dynamic=True)
+            return
+        compiled_call = torch.compile(call, backend=self.backend, mode=self.mode, dynamic=True)
+        for layer, modules in zip(patches.decoder_layers(model), capturing):
+            if "forward" not in vars(layer):
+                layer.forward = partial(_compiled_forward, partial(patches.compiled_then_handed_over, compiled_call,
+                                                                   modules), layer.forward)
+
+
+def _compiled_forward(compiled_call, forward, *args, **kwargs):
+    return compiled_call(partial(forward, **kwargs), *args)
 
 
 class CompileInsideCheckpoints(TrainerCallback):

@@ -1,0 +1,92 @@
+"""GPT-OSS under TRL returns its router logits for the MoE load-balancing loss (`output_router_logits`), which
+transformers collects with forward hooks that read a ContextVar: traced inside a compiled decoder layer, each hook
+broke the layer into about ten graphs (finetune/patches.py, `defer_output_capture`). Compiled, the layers capture
+the same router logits without a break, in one graph per layer type, and train as eager does. In-process, on a tiny
+GPT-OSS with LoRA on its attention, compiled by aot_eager (dynamo's graphs and AOTAutograd's forward and backward,
+without inductor's C++ build)."""
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+LAYER_TYPES = ["sliding_attention", "full_attention"] * 2
+
+
+def tiny_gpt_oss_with_lora(checkpointing: bool):
+    """The recipe's adapters: LoRA on the attention and on both expert weights, the experts through this toolkit's
+    grouped GEMMs; random LoRA factors, so that every factor has a gradient from the first step."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from finetune.models import expert_lora
+
+    config = AutoConfig.for_model("gpt_oss", hidden_size=32, intermediate_size=64, num_hidden_layers=len(LAYER_TYPES),
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=128,
+                                  num_local_experts=4, num_experts_per_tok=2, layer_types=LAYER_TYPES, sliding_window=8,
+                                  output_router_logits=True, router_aux_loss_coef=0.9, use_cache=False)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                                             target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+                                             init_lora_weights=False))
+    assert expert_lora.install(model) == len(LAYER_TYPES)
+    model.train()
+    model.enable_input_require_grads()  # as the toolkit does for compiled LoRA (compilation.one_graph_for_every_layer)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    return model
+
+
+def losses_and_lora_gradients(model, steps: int = 2):
+    """The last of `steps` steps' loss (the aux loss in it), aux loss, router logits and LoRA gradients, then the
+    LoRA gradients of the aux loss alone (None where it has no gradient: captured inside a reentrant checkpoint's
+    forward, which runs without gradients, as transformers does it eagerly)."""
+    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(0))
+    lora = {name: parameter for name, parameter in model.named_parameters() if "lora_" in name}
+    for _ in range(steps):
+        model.zero_grad()
+        output = model(input_ids=ids, labels=ids)
+        output.loss.backward()
+    gradients = {name: parameter.grad for name, parameter in lora.items()}
+    aux_loss = model(input_ids=ids, labels=ids).aux_loss
+    aux_gradients = dict(zip(lora, torch.autograd.grad(aux_loss, list(lora.values()), allow_unused=True,
+                                                       materialize_grads=True))) if aux_loss.requires_grad else None
+    return output.loss.detach(), output.aux_loss.detach(), len(output.router_logits), gradients, aux_gradients
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["layers compiled", "compiled inside checkpoints"])
+def test_compiled_gpt_oss_layers_capture_router_logits_without_a_graph_break(checkpointing):
+    """(a) One graph per layer type (twice inside reentrant checkpoints: the forward without gradients, then its
+    recomputation with them), no graph break; (b) the loss with the aux loss in it, the aux loss, and every LoRA
+    gradient as eager computes them."""
+    from finetune.models.compilation import CompileEachLayer, CompileInsideCheckpoints
+    from finetune.run.speed import compiled_graphs
+
+    eager_loss, eager_aux, eager_layers, eager_gradients, eager_aux_gradients = losses_and_lora_gradients(
+        tiny_gpt_oss_with_lora(checkpointing))
+
+    model = tiny_gpt_oss_with_lora(checkpointing)
+    compiling = CompileInsideCheckpoints("aot_eager", None) if checkpointing else CompileEachLayer("aot_eager", None)
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        compiling.on_train_begin(None, None, None, model=model)
+        loss, aux, layers, gradients, aux_gradients = losses_and_lora_gradients(model)
+        breaks, graphs = dict(counters["graph_break"]), compiled_graphs()
+    finally:
+        torch._dynamo.reset()
+
+    assert not breaks, f"graph breaks in the compiled layers: {breaks}"
+    assert 0 < graphs <= len(set(LAYER_TYPES)) * (2 if checkpointing else 1), graphs
+    assert layers == eager_layers == len(LAYER_TYPES)
+    assert eager_aux > 0
+    torch.testing.assert_close(aux, eager_aux, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-6)
+    assert eager_gradients.keys() == gradients.keys() and len(gradients) == (4 + 2) * 2 * len(LAYER_TYPES)
+    for name, gradient in gradients.items():
+        torch.testing.assert_close(gradient, eager_gradients[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert (aux_gradients is None) == (eager_aux_gradients is None) == checkpointing
+    if not checkpointing:
+        assert max(gradient.abs().max() for gradient in aux_gradients.values()) > 1e-4
+        for name, gradient in aux_gradients.items():
+            torch.testing.assert_close(gradient, eager_aux_gradients[name], rtol=1e-4, atol=1e-7, msg=name)
