@@ -98,6 +98,12 @@ def gpt_oss_expert(a) -> dict[str, tuple[int, int]]:
 DEQUANTIZED_CHUNK_BYTES = 512 * 2**20
 
 
+def dequantized_chunk_experts(expert_bytes: int, experts: int) -> int:
+    """How many whole experts of a projection are dequantized together: as many as DEQUANTIZED_CHUNK_BYTES holds, at
+    least one, at most all."""
+    return min(experts, max(1, DEQUANTIZED_CHUNK_BYTES // expert_bytes))
+
+
 def gpt_oss_router_and_sinks(a) -> int:
     """The router (hidden -> experts, with a bias) and one attention sink per head."""
     return a.hidden * a.experts + a.experts + a.heads

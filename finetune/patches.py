@@ -383,8 +383,12 @@ def _stash_or_capture(module, args, output):
     if torch.compiler.is_compiling():
         setattr(module, _STASHED, (args, output))
     else:
-        for hook in module.__dict__[_DEFERRED_HOOKS]:
-            hook(module, args, output)
+        _run_deferred_hooks(module, args, output)
+
+
+def _run_deferred_hooks(module, args, output) -> None:
+    for hook in module.__dict__[_DEFERRED_HOOKS]:
+        hook(module, args, output)
 
 
 def compiled_then_handed_over(compiled_call, capturing: list, function, *args):
@@ -394,8 +398,7 @@ def compiled_then_handed_over(compiled_call, capturing: list, function, *args):
     for module in capturing:
         stashed = module.__dict__.pop(_STASHED, None)
         if stashed is not None:
-            for hook in module.__dict__[_DEFERRED_HOOKS]:
-                hook(module, *stashed)
+            _run_deferred_hooks(module, *stashed)
     return output
 
 

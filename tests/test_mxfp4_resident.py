@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from benchmarks import mxfp4_checkpoints
+from finetune import families
 from finetune.models import expert_lora, mxfp4_experts, mxfp4_loading
 
 STEPS = 3
@@ -109,7 +110,7 @@ def test_a_projection_dequantized_a_chunk_of_experts_at_a_time_gives_the_whole_p
     monkeypatch.setattr(mxfp4_experts, "dequantize_on_device",
                         lambda *args: dequantized.append(args[0].shape[0]) or original(*args))
     per_expert = 24 * 64 * 4  # float32 values of one expert's weight
-    monkeypatch.setattr(mxfp4_experts, "DEQUANTIZED_CHUNK_BYTES", 3 * per_expert)
+    monkeypatch.setattr(families, "DEQUANTIZED_CHUNK_BYTES", 3 * per_expert)
     chunked = mxfp4_experts.grouped_mm(x, blocks, scales, offsets, transposed)
     assert dequantized == [3, 3, 1]  # never more than three experts' weights at once
     assert torch.equal(bits(chunked), bits(whole))
@@ -361,7 +362,7 @@ def test_a_micro_batch_of_several_packed_rows_gives_the_loss_and_gradients_of_th
     loaded = model.load_model(run, model_folder.resolve_model_path(run))
     assert not loaded.config.output_router_logits
     experts = next(module for module in loaded.modules() if isinstance(module, mxfp4_experts.ResidentExperts))
-    monkeypatch.setattr(mxfp4_experts, "DEQUANTIZED_CHUNK_BYTES", experts.gate_up_proj[0].numel() * 4)
+    monkeypatch.setattr(families, "DEQUANTIZED_CHUNK_BYTES", experts.gate_up_proj[0].numel() * 4)
     torch.manual_seed(0)
     peft_model = get_peft_model(loaded, model.lora_config(run))
     assert expert_lora.install(peft_model) == 2

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from finetune import cli
+from finetune import cli, families
 from finetune.config.files import parse_overrides, read_recipe
 from finetune.errors import UserError
 from finetune.planner import architecture, choice, memory
@@ -244,8 +244,9 @@ def test_a_local_model_folder_is_read_from_its_config_json(tmp_path):
 def test_resident_mxfp4_experts_cost_4_25_bits_a_weight_and_one_chunk_of_dequantized_experts(name, experts):
     """From the architecture (hidden 2880, expert width 2880, 36 or 24 layers): each expert's gate_up [2880, 5760]
     and down [2880, 2880] as FP4 (half a byte) + one E8M0 byte per 32 values; the rest, expert biases included, bf16.
-    Dequantized at a time: as many whole gate_up experts as DEQUANTIZED_CHUNK_BYTES holds (16 of 33.2 MB in bf16), and
-    their GEMM's output rows (4 routed rows a token, 16 of `experts` experts' share) before they join the others."""
+    Dequantized at a time: as many whole gate_up experts as families.DEQUANTIZED_CHUNK_BYTES holds (16 of 33.2 MB in
+    bf16), and their GEMM's output rows (4 routed rows a token, 16 of `experts` experts' share) before they join the
+    others."""
     a = architecture.architecture_of(f"openai/{name}")
     assert a.mxfp4_experts and (a.hidden, a.intermediate, a.experts) == (2880, 2880, experts)
     values = a.layers * experts * (2880 * 5760 + 2880 * 2880)
@@ -255,7 +256,7 @@ def test_resident_mxfp4_experts_cost_4_25_bits_a_weight_and_one_chunk_of_dequant
     total = architecture.total_params(a)
     assert memory.frozen_weight_bytes(a, resident) == values * 17 / 32 + (total - values) * 2
     assert memory.frozen_weight_bytes(a, dense) == total * 2
-    assert memory.DEQUANTIZED_CHUNK_BYTES // (2880 * 5760 * 2) == 16
+    assert families.dequantized_chunk_experts(2880 * 5760 * 2, experts) == 16
     chunk = 16 * 2880 * 5760 * 2 + resident.tokens * 4 * 16 / experts * 5760 * 2
     assert memory.mxfp4_dequantized_bytes(a, resident) == chunk
     assert memory.mxfp4_dequantized_bytes(a, dense) == 0

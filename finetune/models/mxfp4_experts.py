@@ -17,7 +17,7 @@ compiled graph can keep the dequantized weight for the backward.
 
 import torch
 
-from finetune.families import DEQUANTIZED_CHUNK_BYTES
+from finetune.families import dequantized_chunk_experts
 from finetune.models import expert_lora
 
 BLOCK = 32  # values that share one scale
@@ -68,8 +68,8 @@ def _mxfp4_grouped_mm(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tenso
     """Each chunk of experts is dequantized and multiplied with its own rows only (x is sorted by expert): the same
     GEMMs as over the whole projection, with a fraction of its dequantized weight alive at a time."""
     experts = blocks.shape[0]
-    chunk = max(1, DEQUANTIZED_CHUNK_BYTES // (blocks[0].numel() * 2 * x.element_size()))
-    if chunk >= experts:
+    chunk = dequantized_chunk_experts(blocks[0].numel() * 2 * x.element_size(), experts)
+    if chunk == experts:
         weight = dequantize_on_device(blocks, scales, x.dtype)
         return expert_lora.grouped_mm(x, weight.transpose(-2, -1) if transposed else weight, offsets)
     ends = offsets.tolist()  # where each chunk's rows begin and end: one read back per projection

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from finetune.families import DEQUANTIZED_CHUNK_BYTES, FAMILIES
+from finetune.families import FAMILIES, dequantized_chunk_experts
 from finetune.planner.architecture import (
     BYTES,
     Architecture,
@@ -202,8 +202,8 @@ def adapted_expert_weight_bytes(a: Architecture, s: Setup) -> float:
 def mxfp4_dequantized_bytes(a: Architecture, s: Setup) -> float:
     """MXFP4 resident: what finetune/models/mxfp4_experts.py's grouped GEMM holds beside the activations, in the
     forward, the recompute and the backward, one projection of one layer at a time, freed after it:
-    - one chunk of experts dequantized: as many whole experts of the projection as DEQUANTIZED_CHUNK_BYTES (the
-      code's own constant, imported) holds, at least one, at most all (120B: 16 experts of gate_up, 2880 x 5760, or
+    - one chunk of experts dequantized: as many whole experts of the projection as the code takes together
+      (families.dequantized_chunk_experts, which both call) (120B: 16 experts of gate_up, 2880 x 5760, or
       32 of down, 0.49 GiB in bf16 either way, where the whole projection is 3.96 GiB);
     - when the projection takes more than one chunk, the chunk's GEMM output before it is copied into the projection's
       output: its experts' share of the routed rows (tokens x experts_per_token x chunk / experts, routing counted
@@ -214,7 +214,7 @@ def mxfp4_dequantized_bytes(a: Architecture, s: Setup) -> float:
     largest = 0.0
     for in_features, out_features in FAMILIES[a.family].expert_weights(a).values():
         expert_bytes = in_features * out_features * dtype_bytes
-        chunk = min(a.experts, max(1, DEQUANTIZED_CHUNK_BYTES // expert_bytes))
+        chunk = dequantized_chunk_experts(expert_bytes, a.experts)
         chunk_output = 0.0
         if chunk < a.experts:
             rows = s.tokens * a.experts_per_token * chunk / a.experts

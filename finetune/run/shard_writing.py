@@ -79,8 +79,8 @@ class ShardedModel:
         from transformers.utils import SAFE_WEIGHTS_NAME
 
         self._folder, self._planned, self._total_parameters = folder, planned, total_parameters
-        self._split = split_torch_state_dict_into_shards(planned, filename_pattern=SAFE_WEIGHTS_NAME.replace(
-            ".safetensors", "{suffix}.safetensors"),
+        pattern = SAFE_WEIGHTS_NAME.replace(".safetensors", "{suffix}.safetensors")
+        self._split = split_torch_state_dict_into_shards(planned, filename_pattern=pattern,
                                                          max_shard_size=max_shard_bytes)
         self._open: dict[str, SafetensorsFile] = {}
         self._closed: set[str] = set()
