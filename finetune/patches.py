@@ -18,14 +18,20 @@ says what to revisit and which test fails first.
 - `compile_inside_checkpoints`
   does: sets each layer's `_gradient_checkpointing_func` so that it runs checkpoint(compiled(layer)); with activation
   offloading, the layer's recomputation in backward runs under identity saved-tensor hooks.
+  The checkpoint's first pass (no gradients) runs under `torch.enable_grad()` and returns its outputs detached
+  (`_with_gradients_detached`), the outputs its modules captured handed over detached: its graph is the
+  recomputation's, one graph per layer type instead of two (GPT-OSS-20B on one H100: 15.4 s of compiling cold).
   why: compiled around a checkpoint, one graph break makes dynamo run the whole layer eagerly. The checkpoint is
   reentrant, and TRL's offloading hooks stay active through the backward: without hooks of its own, every tensor the
   recomputed layer saves would be copied to the CPU and straight back.
   upstream: pytorch/pytorch#139989.
   targets: `GradientCheckpointingLayer` of transformers 5.17 (checkpoint in `__call__`) and 5.24 (in `forward`);
   trl 1.16 `OffloadActivations` (saved-tensor hooks around `training_step`, forward and backward).
-  guarded by: test_train.py::test_under_checkpointing_a_layer_with_a_graph_break_is_still_compiled_once_for_all_layers
-  and test_train.py::test_offloading_compiled_checkpoints_moves_only_layer_inputs_and_keeps_the_gradients.
+  guarded by: test_train.py::test_under_checkpointing_a_layer_with_a_graph_break_is_still_compiled_once_for_all_layers,
+  test_train.py::test_offloading_compiled_checkpoints_moves_only_layer_inputs_and_keeps_the_gradients,
+  test_compiled_output_capture.py::test_a_checkpoints_first_pass_runs_the_graph_with_gradients_and_keeps_nothing_of_it
+  and test_compiled_output_capture.py::test_compiled_gpt_oss_layers_capture_router_logits_without_a_graph_break (one
+  graph per layer type inside checkpoints; the aux loss without a gradient, as eagerly).
 - `defer_output_capture`, `compiled_then_handed_over`
   does: where the model is set to return outputs its layers record (GPT-OSS's router logits: TRL turns on the MoE
   load-balancing loss through `output_router_logits`), installs transformers' output-capturing forward hooks at once
@@ -189,6 +195,17 @@ says what to revisit and which test fails first.
   ops, which the compiled code calls at run time rather than copying.
   targets: torch 2.11 and 2.13 (the config, and TORCHINDUCTOR_AUTOGRAD_CACHE_ALLOW_CUSTOM_AUTOGRAD, its variable).
   guarded by: test_compile_once.py::test_a_second_launch_loads_every_compiled_graph_from_the_cache.
+- `block_masks_compiled_for_every_length`
+  does: replaces `transformers.masking_utils.create_block_mask` (the name transformers calls) by a function that,
+  where transformers asks for `_compile=True`, calls one `torch.compile(create_block_mask, dynamic=True)` with the
+  arguments as given, instead of torch's `torch.compile(create_block_mask)`; without `_compile`, torch's function.
+  why: flex attention's block masks (GPT-OSS: sliding and full) were compiled with static shapes for the first row
+  length, then each once more when the length changed, automatic dynamic shapes' second pass: 4 compiles instead of 2
+  in GPT-OSS-20B's first step on one H100, 10.2 s of compiling and 4.1 s of dynamo tracing cold, the tracing again at
+  every launch (docs/results/first-step-2026-12-06c-h100, gptoss20b_lora_ckpt.log, frames 0/2 and 0/3).
+  targets: transformers 5.17 and 5.25 (`masking_utils.flex_attention_mask` calls the module's `create_block_mask`
+  with `_compile=True`); torch 2.11 and 2.13 (`create_block_mask(..., _compile)`).
+  guarded by: test_compiled_output_capture.py::test_flex_block_masks_compile_once_per_mask_type_for_every_length.
 - `constant_float_inputs`
   does: sets `torch._dynamo.config.specialize_float = True` in a compiled run.
   why: the layers are compiled with dynamic shapes and their modules unspecialized, so dynamo first traces every
@@ -293,13 +310,36 @@ def _checkpoint_compiled(checkpoint, compiled_call, function, *args):
     return checkpoint(compiled_call, function, *args, use_reentrant=True)
 
 
+def _with_gradients_detached(compiled_call, function, *args):
+    """A reentrant checkpoint runs its layer twice: without gradients, then again in backward with them. Compiled,
+    that was two graphs per layer type, the first without a backward (GPT-OSS-20B on an H100: 15 of its 96 s of
+    compiling, and dynamo traced both at every launch). Run with gradients both times, the recomputation reuses the
+    first pass's graph; the first pass's outputs are detached, so what its graph saved is freed as it returns, as
+    the recomputation's is after its backward."""
+    import torch
+
+    if torch.is_grad_enabled():
+        return compiled_call(function, *args)
+    with torch.enable_grad():
+        output = compiled_call(function, *args)
+    return _detached(output)
+
+
+def _detached(value):
+    import torch
+    from torch.utils._pytree import tree_map_only
+
+    return tree_map_only(torch.Tensor, torch.Tensor.detach, value)
+
+
 def _same_tensor(tensor):
     return tensor
 
 
 def _call_keeping_saved_tensors(compiled_call, function, *args):
-    """The innermost saved-tensor hooks win: these keep what the call saves where it is, out of the offloading hooks.
-    Only the recomputation saves anything (the checkpointed forward runs without gradients)."""
+    """The innermost saved-tensor hooks win: these keep what the call saves where it is, out of the offloading hooks:
+    the checkpoint's first pass frees what it saved as it returns (_with_gradients_detached), the recomputation
+    after its layer's backward."""
     import torch
 
     with torch.autograd.graph.saved_tensors_hooks(_same_tensor, _same_tensor):
@@ -318,7 +358,8 @@ def compile_inside_checkpoints(model, compiled_call, offloading: bool = False) -
     function serves all layers, so the layer compiles once. With activation offloading only the checkpoint's inputs
     go to the CPU: the layer recomputed in backward keeps its tensors on the device until its gradients are done.
     Outputs the layer's modules capture go to transformers after the compiled call (defer_output_capture)."""
-    call = partial(_call_keeping_saved_tensors, compiled_call) if offloading else compiled_call
+    call = partial(_with_gradients_detached, partial(_call_keeping_saved_tensors, compiled_call) if offloading
+                   else compiled_call)
     capturing = defer_output_capture(model)
     for index, module in enumerate(decoder_layers(model)):
         checkpoint = getattr(module, "_gradient_checkpointing_func", None)
@@ -394,11 +435,15 @@ def _run_deferred_hooks(module, args, output) -> None:
 def compiled_then_handed_over(compiled_call, capturing: list, function, *args):
     """`compiled_call(function, *args)`, then, eagerly, what the compiled layer's modules stashed goes to
     transformers' hooks (to the collector when one is active, else nowhere), and the stashes are dropped."""
+    import torch
+
     output = compiled_call(function, *args)
     for module in capturing:
         stashed = module.__dict__.pop(_STASHED, None)
         if stashed is not None:
-            _run_deferred_hooks(module, *stashed)
+            # captured without gradients, as eager would: a checkpoint's first pass compiled with them
+            # (_with_gradients_detached) would otherwise keep every layer's saved tensors alive until the loss
+            _run_deferred_hooks(module, *(stashed if torch.is_grad_enabled() else _detached(stashed)))
     return output
 
 
@@ -496,6 +541,23 @@ def no_cpu_vector_probe() -> None:
     from torch._inductor import config as inductor_config
 
     inductor_config.cpp.vec_isa_ok = False
+
+
+def block_masks_compiled_for_every_length() -> None:
+    from transformers import masking_utils
+
+    if getattr(masking_utils.create_block_mask, "compiled_for_every_length", False):
+        return
+    import torch
+
+    create_block_mask = masking_utils.create_block_mask
+    compiled = torch.compile(create_block_mask, dynamic=True)
+
+    def create_block_mask_compiled_for_every_length(*args, _compile: bool = False, **kwargs):
+        return (compiled if _compile else create_block_mask)(*args, **kwargs)
+
+    create_block_mask_compiled_for_every_length.compiled_for_every_length = True
+    masking_utils.create_block_mask = create_block_mask_compiled_for_every_length
 
 
 def constant_float_inputs() -> None:

@@ -5,6 +5,8 @@ the same router logits without a break, in one graph per layer type, and train a
 GPT-OSS with LoRA on its attention, compiled by aot_eager (dynamo's graphs and AOTAutograd's forward and backward,
 without inductor's C++ build)."""
 
+from functools import partial
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -56,9 +58,10 @@ def losses_and_lora_gradients(model, steps: int = 2):
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["layers compiled", "compiled inside checkpoints"])
 def test_compiled_gpt_oss_layers_capture_router_logits_without_a_graph_break(checkpointing):
-    """(a) One graph per layer type (twice inside reentrant checkpoints: the forward without gradients, then its
-    recomputation with them), no graph break; (b) the loss with the aux loss in it, the aux loss, and every LoRA
-    gradient as eager computes them."""
+    """(a) One graph per layer type, no graph break, inside reentrant checkpoints too (their forward without
+    gradients runs the graph of their recomputation, patches._with_gradients_detached); (b) the loss with the aux loss
+    in it, the aux loss, and every LoRA gradient as eager computes them; inside checkpoints the aux loss has no
+    gradient, as eagerly (the first pass's router logits are captured detached)."""
     from finetune.models.compilation import CompileEachLayer, CompileInsideCheckpoints
     from finetune.run.speed import compiled_graphs
 
@@ -77,7 +80,7 @@ def test_compiled_gpt_oss_layers_capture_router_logits_without_a_graph_break(che
         torch._dynamo.reset()
 
     assert not breaks, f"graph breaks in the compiled layers: {breaks}"
-    assert 0 < graphs <= len(set(LAYER_TYPES)) * (2 if checkpointing else 1), graphs
+    assert 0 < graphs <= len(set(LAYER_TYPES)), graphs
     assert layers == eager_layers == len(LAYER_TYPES)
     assert eager_aux > 0
     torch.testing.assert_close(aux, eager_aux, rtol=1e-5, atol=1e-6)
@@ -90,3 +93,58 @@ def test_compiled_gpt_oss_layers_capture_router_logits_without_a_graph_break(che
         assert max(gradient.abs().max() for gradient in aux_gradients.values()) > 1e-4
         for name, gradient in aux_gradients.items():
             torch.testing.assert_close(gradient, eager_aux_gradients[name], rtol=1e-4, atol=1e-7, msg=name)
+
+
+def test_a_checkpoints_first_pass_runs_the_graph_with_gradients_and_keeps_nothing_of_it():
+    """Without gradients (a reentrant checkpoint's first pass) a compiled layer runs its graph with gradients, the one
+    its recomputation needs, and returns outputs with no autograd history: what that graph saved for a backward that
+    never comes is freed as the layer returns."""
+    from finetune.patches import _with_gradients_detached
+
+    weight = torch.randn(4, 4, requires_grad=True)
+    grad_enabled = []
+
+    def layer(hidden):
+        grad_enabled.append(torch.is_grad_enabled())
+        return {"hidden": (hidden @ weight).tanh(), "kept": [hidden @ weight * 2]}
+
+    with torch.no_grad():
+        output = _with_gradients_detached(lambda function, *args: function(*args), layer, torch.randn(2, 4))
+    assert grad_enabled == [True]
+    assert output["hidden"].grad_fn is None and output["kept"][0].grad_fn is None
+    assert not output["hidden"].requires_grad
+
+
+def test_flex_block_masks_compile_once_per_mask_type_for_every_length(monkeypatch):
+    """GPT-OSS's flex attention masks, as transformers asks for them (`create_block_mask(..., _compile=True)` in
+    masking_utils), for packed rows of three lengths: one graph per mask type (sliding and full), not one for the
+    first length and another when it changes; each mask equal to the uncompiled one. Compiled by aot_eager (no C++
+    build: 3 s instead of 40)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    from transformers import masking_utils
+
+    from finetune.patches import block_masks_compiled_for_every_length
+
+    monkeypatch.setattr(masking_utils, "create_block_mask", create_block_mask)
+    monkeypatch.setattr(torch, "compile", partial(torch.compile, backend="aot_eager"))
+
+    def packed_mask(length: int, window: int | None):
+        documents = torch.zeros(1, length, dtype=torch.long)
+        documents[0, length // 3:], documents[0, 2 * length // 3:] = 1, 2
+        within = masking_utils.sliding_window_causal_mask_function(window) if window else \
+            masking_utils.causal_mask_function
+        return masking_utils.and_masks(within, masking_utils.packed_sequence_mask_function(documents))
+
+    block_masks_compiled_for_every_length()
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        for length in (200, 333, 520):
+            for window in (None, 64):
+                mask = masking_utils.create_block_mask(mask_mod=packed_mask(length, window), B=1, H=None,
+                                                       Q_LEN=length, KV_LEN=length, device="cpu", _compile=True)
+                expected = create_block_mask(packed_mask(length, window), 1, None, length, length, device="cpu")
+                assert torch.equal(mask.to_dense(), expected.to_dense()), (length, window)
+        assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+    finally:
+        torch._dynamo.reset()

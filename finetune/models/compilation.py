@@ -43,10 +43,13 @@ def prepare_process(training, cache_folder: str | None = None) -> None:
     """Before anything compiles: the compile caches are where `finetune` put them when it was imported
     (finetune/compile_cache.py), or in the run's `compile_cache_dir`; AOTAutograd's cache takes the graphs that hold
     this toolkit's autograd functions (patches.cache_graphs_with_custom_autograd_functions says why that is safe);
-    Python floats are traced as the constants they are (patches.constant_float_inputs: no second trace); on a
-    GPU, inductor builds its few host-side kernels without probing the CPU first (patches.no_cpu_vector_probe)."""
+    Python floats are traced as the constants they are (patches.constant_float_inputs: no second trace); flex
+    attention's block masks, which transformers compiles in eager runs too, compile once per mask type for every row
+    length (patches.block_masks_compiled_for_every_length); on a GPU, inductor builds its few host-side kernels
+    without probing the CPU first (patches.no_cpu_vector_probe)."""
     if cache_folder:
         keep_compile_caches(cache_folder)
+    patches.block_masks_compiled_for_every_length()
     if training.torch_compile:
         patches.cache_graphs_with_custom_autograd_functions()
         patches.constant_float_inputs()
