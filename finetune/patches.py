@@ -195,6 +195,17 @@ says what to revisit and which test fails first.
   ops, which the compiled code calls at run time rather than copying.
   targets: torch 2.11 and 2.13 (the config, and TORCHINDUCTOR_AUTOGRAD_CACHE_ALLOW_CUSTOM_AUTOGRAD, its variable).
   guarded by: test_compile_once.py::test_a_second_launch_loads_every_compiled_graph_from_the_cache.
+- `compile_workers_started_early`
+  does: calls `torch._inductor.async_compile.maybe_warm_pool()` when a compiled run on a GPU parses its arguments,
+  before the model loads: inductor's Triton compile workers start then (torch skips it where Triton is missing).
+  why: torch.compile(backend="inductor") starts them only at the first kernel, and until they answer inductor compiles
+  each Triton kernel in the training process, one at a time (`use_process_pool()` in `AsyncCompile.triton`); on the
+  H100 the process's first compile, GPT-OSS-20B's first flex block mask, took 28.9 s against 2.9 s for the second
+  (docs/results/first-step-2026-12-06c-h100). Started early, they start while the model loads. torch's own
+  `inductor` backend function calls the same, "as early as possible". Not yet measured on a GPU.
+  targets: torch 2.11 and 2.13 (`maybe_warm_pool`: `AsyncCompile.warm_pool()` then `wakeup()`).
+  guarded by: test_first_step.py::test_on_a_gpu_a_compiled_run_skips_the_cpu_probe_and_starts_compile_workers_early
+  (called on a GPU only).
 - `block_masks_compiled_for_every_length`
   does: replaces `transformers.masking_utils.create_block_mask` (the name transformers calls) by a function that,
   where transformers asks for `_compile=True`, calls one `torch.compile(create_block_mask, dynamic=True)` with the
@@ -225,7 +236,7 @@ says what to revisit and which test fails first.
   warm cache, docs/results/first-step-2026-12-06-h100), in every process, cached nowhere. Set, inductor builds those
   few kernels without vector instructions and asks nothing; a CPU run, whose kernels are the whole model, keeps them.
   targets: torch 2.11 and 2.13 (`VecISA.__bool__` returns `config.cpp.vec_isa_ok` when it is not None).
-  guarded by: test_first_step.py::test_a_compiled_run_on_a_gpu_skips_the_cpu_vector_probe_and_a_cpu_run_keeps_it.
+  guarded by: test_first_step.py::test_on_a_gpu_a_compiled_run_skips_the_cpu_probe_and_starts_compile_workers_early.
 - `CompileCacheEvents` (finetune/run/speed.py, `compile_caches`)
   does: reads `torch._dynamo.utils.counters` ("inductor": fxgraph_cache_*, "aot_autograd": autograd_cache_*) and
   listens to the loggers `torch._inductor.codecache` and `torch._functorch._aot_autograd.autograd_cache` for the
@@ -541,6 +552,12 @@ def no_cpu_vector_probe() -> None:
     from torch._inductor import config as inductor_config
 
     inductor_config.cpp.vec_isa_ok = False
+
+
+def compile_workers_started_early() -> None:
+    from torch._inductor.async_compile import maybe_warm_pool
+
+    maybe_warm_pool()
 
 
 def block_masks_compiled_for_every_length() -> None:

@@ -123,15 +123,21 @@ def test_a_short_run_compiles_where_this_machine_compiled_the_recipe_before(monk
 
 
 @pytest.mark.parametrize("gpu", [True, False], ids=["gpu", "cpu"])
-def test_a_compiled_run_on_a_gpu_skips_the_cpu_vector_probe_and_a_cpu_run_keeps_it(monkeypatch, gpu):
+def test_on_a_gpu_a_compiled_run_skips_the_cpu_probe_and_starts_compile_workers_early(monkeypatch, gpu):
     from torch._inductor import config as inductor_config
 
     from finetune.models import compilation
 
+    from torch._inductor import async_compile
+
     monkeypatch.setattr(inductor_config.cpp, "vec_isa_ok", None)  # restored afterwards
     monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+    workers_started = []
+    monkeypatch.setattr(async_compile, "maybe_warm_pool", lambda: workers_started.append(True))
     compilation.prepare_process(SimpleNamespace(torch_compile=True, gradient_checkpointing=False))
     assert inductor_config.cpp.vec_isa_ok is (False if gpu else None)
+    # and on a GPU inductor's Triton compile workers start before the model loads, not at the first kernel
+    assert workers_started == ([True] if gpu else [])
 
 
 def test_the_reasons_torch_gives_for_not_caching_a_graph_are_recorded_and_its_loggers_left_as_they_were(caplog):

@@ -46,7 +46,8 @@ def prepare_process(training, cache_folder: str | None = None) -> None:
     Python floats are traced as the constants they are (patches.constant_float_inputs: no second trace); flex
     attention's block masks, which transformers compiles in eager runs too, compile once per mask type for every row
     length (patches.block_masks_compiled_for_every_length); on a GPU, inductor builds its few host-side kernels
-    without probing the CPU first (patches.no_cpu_vector_probe)."""
+    without probing the CPU first (patches.no_cpu_vector_probe), and its Triton compile workers start now, while the
+    model loads, not at the first kernel (patches.compile_workers_started_early)."""
     if cache_folder:
         keep_compile_caches(cache_folder)
     patches.block_masks_compiled_for_every_length()
@@ -55,6 +56,7 @@ def prepare_process(training, cache_folder: str | None = None) -> None:
         patches.constant_float_inputs()
         if torch.cuda.is_available():
             patches.no_cpu_vector_probe()
+            patches.compile_workers_started_early()
 
 
 @dataclass(frozen=True)
