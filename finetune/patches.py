@@ -31,7 +31,7 @@ says what to revisit and which test fails first.
   test_train.py::test_offloading_compiled_checkpoints_moves_only_layer_inputs_and_keeps_the_gradients,
   test_compiled_output_capture.py::test_a_checkpoints_first_pass_runs_the_graph_with_gradients_and_keeps_nothing_of_it
   and test_compiled_output_capture.py::test_compiled_gpt_oss_layers_capture_router_logits_without_a_graph_break (one
-  graph per layer type inside checkpoints; the aux loss without a gradient, as eagerly).
+  graph per layer type inside checkpoints).
 - `defer_output_capture`, `compiled_then_handed_over`
   does: where the model is set to return outputs its layers record (GPT-OSS's router logits: TRL turns on the MoE
   load-balancing loss through `output_router_logits`), installs transformers' output-capturing forward hooks at once
@@ -40,7 +40,11 @@ says what to revisit and which test fails first.
   it only stashes the module's inputs and output on the module, run eagerly it calls transformers' hooks. After each
   compiled layer call, eagerly, `compiled_then_handed_over` gives the stashes to transformers' hooks, children before
   parents (the order their forwards end), so the collector gets the same tensors in the same order as without
-  compiling.
+  compiling. Inside a reentrant checkpoint, the first pass hands transformers leaves that require a gradient and
+  the recomputation sends the gradients they received into its own captured outputs (an identity autograd function
+  on the layer output), so TRL's load-balancing loss trains as under transformers' default non-reentrant
+  checkpointing; it relies on autograd running the loss's nodes, built after every layer, before the layers'
+  checkpoints (the engine runs the ready node created last first).
   why: transformers' hooks read a `ContextVar` (`_active_collector.get()`), which dynamo cannot trace: every
   GPT-OSS layer broke into about ten frames (20 graphs, ~100 s of compiling on one H100 before the first step);
   transformers' `CompileableContextVar` traces only when the whole model is compiled (its `set` runs while compiling),
@@ -49,7 +53,8 @@ says what to revisit and which test fails first.
   `output_capturing_hook(module, args, output)`, `maybe_install_capturing_hooks`, `PreTrainedModel.can_record_outputs`).
   guarded by: test_compiled_output_capture.py::test_compiled_gpt_oss_layers_capture_router_logits_without_a_graph_break
   (no break, at most one graph per layer type, eager's loss, aux loss and LoRA gradients, with and without
-  checkpointing, transformers 5.17 and 5.25) and
+  checkpointing, the aux loss's share in them under reentrant checkpoints as under non-reentrant eager ones;
+  transformers 5.17 and 5.25) and
   test_compile_once.py::test_compiled_recipes_compile_once_for_rows_of_every_length (the GPT-OSS recipe's one graph).
 - `activation_checkpointing_found`
   does: reads how the prepared model's layers are checkpointed: torch's `CheckpointWrapper` around them (imported from
@@ -294,7 +299,7 @@ import contextlib
 import os
 import pickle
 import sys
-from functools import partial
+from functools import cache, partial
 from pathlib import Path
 
 from finetune.families import FAMILIES
@@ -445,17 +450,80 @@ def _run_deferred_hooks(module, args, output) -> None:
 
 def compiled_then_handed_over(compiled_call, capturing: list, function, *args):
     """`compiled_call(function, *args)`, then, eagerly, what the compiled layer's modules stashed goes to
-    transformers' hooks (to the collector when one is active, else nowhere), and the stashes are dropped."""
+    transformers' hooks (to the collector when one is active, else nowhere), and the stashes are dropped.
+
+    Inside a reentrant checkpoint the captured outputs still train, as they do eagerly under transformers' default
+    (non-reentrant) checkpointing: the first pass, which runs without gradients, hands transformers leaves that
+    require a gradient (the router logits TRL's load-balancing loss reads) and keeps them on their module; the loss's
+    backward fills their gradients before it reaches the layer's checkpoint (autograd runs the nodes created last
+    first, and the loss was built after every layer); the recomputation then sends those gradients into its own
+    captured outputs along with the layer's output gradient (_with_first_pass_gradients)."""
     import torch
 
     output = compiled_call(function, *args)
     for module in capturing:
         stashed = module.__dict__.pop(_STASHED, None)
-        if stashed is not None:
-            # captured without gradients, as eager would: a checkpoint's first pass compiled with them
-            # (_with_gradients_detached) would otherwise keep every layer's saved tensors alive until the loss
-            _run_deferred_hooks(module, *(stashed if torch.is_grad_enabled() else _detached(stashed)))
+        if stashed is None:
+            continue
+        inputs, captured = stashed
+        if torch.is_grad_enabled():
+            output = _with_first_pass_gradients(output, module.__dict__.pop(_FIRST_PASS, None), captured)
+        elif _requires_grad(captured):  # a checkpoint's first pass, compiled with gradients (_with_gradients_detached)
+            inputs, captured = _detached(inputs), _leaves(captured)
+            module.__dict__[_FIRST_PASS] = captured
+        _run_deferred_hooks(module, inputs, captured)
     return output
+
+
+_FIRST_PASS = "_finetune_first_pass_captured"  # the leaves a checkpoint's first pass handed to transformers
+
+
+def _requires_grad(value) -> bool:
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    return any(isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in tree_leaves(value))
+
+
+def _leaves(value):
+    import torch
+    from torch.utils._pytree import tree_map_only
+
+    return tree_map_only(torch.Tensor, lambda tensor: tensor.detach().requires_grad_(tensor.requires_grad), value)
+
+
+def _with_first_pass_gradients(output, first_pass, recomputed):
+    """The recomputed layer output, through an identity whose backward also sends into each output the recomputation
+    captured the gradient its first-pass leaf received from the loss."""
+    import torch
+    from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
+
+    pairs = [(again, leaf.grad) for leaf, again in zip(tree_leaves(first_pass), tree_leaves(recomputed))
+             if isinstance(leaf, torch.Tensor) and leaf.grad is not None and again.requires_grad]
+    if not pairs:
+        return output
+    flat, spec = tree_flatten(output)
+    first = next(index for index, tensor in enumerate(flat) if isinstance(tensor, torch.Tensor) and tensor.requires_grad)
+    flat[first] = _gradient_injection().apply(flat[first], [gradient for _, gradient in pairs],
+                                              *(again for again, _ in pairs))
+    return tree_unflatten(flat, spec)
+
+
+@cache
+def _gradient_injection():
+    import torch
+
+    class GradientInjection(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, output, gradients, *captured):
+            ctx.gradients = gradients
+            return output.view_as(output)
+
+        @staticmethod
+        def backward(ctx, grad_output):
+            return grad_output, None, *ctx.gradients
+
+    return GradientInjection
 
 
 def _compiled_inside_checkpoint(layer) -> bool:
