@@ -202,10 +202,9 @@ def fused_gemm_check(config, token_counts, generator):
             for transposed in (False, True):
                 x = torch.randn(rows, outputs if transposed else inputs, device=DEVICE, generator=generator,
                                 dtype=torch.bfloat16)
-                paths = {"chunked": functools.partial(mxfp4_experts._mxfp4_grouped_mm, x, blocks, scales, offsets,
-                                                      transposed),
-                         "fused": functools.partial(mxfp4_grouped_gemm.mxfp4_grouped_matmul, x, blocks, scales, offsets,
-                                                    transposed)}
+                operands = (x, blocks, scales, offsets, transposed)
+                paths = {"chunked": functools.partial(mxfp4_experts._mxfp4_grouped_mm, *operands),
+                         "fused": functools.partial(mxfp4_grouped_gemm.mxfp4_grouped_matmul, *operands)}
                 chunked, fused = (run() for run in paths.values())
                 moved = blocks.numel() + scales.numel() + x.numel() * x.element_size() + chunked.numel() * 2
                 case = {"max_abs_diff": (fused.float() - chunked.float()).abs().max().item(),
@@ -217,8 +216,6 @@ def fused_gemm_check(config, token_counts, generator):
                     case[f"{label}_TFLOPs"] = round(2 * rows * inputs * outputs / milliseconds / 1e9, 1)
                 case["fused_over_chunked_time"] = round(case["fused_ms"] / case["chunked_ms"], 3)
                 result[name][f"{tokens} tokens, {'transposed' if transposed else 'forward'}"] = case
-    # (rows rounded up to a power of two, in/32, out, transposed, dtypes) -> the configuration autotuning picked
-    result["autotuned"] = {str(key): str(config) for key, config in mxfp4_grouped_gemm.autotuned_kernel.cache.items()}
     return result
 
 
@@ -273,6 +270,9 @@ def main():
         result["gemm_tokens"] = args.gemm_tokens
         result["fused_gemm"] = {architecture: fused_gemm_check(load_architecture(architecture), args.gemm_tokens,
                                                                generator) for architecture in architectures}
+        # (rows rounded up to a power of two, experts, in/32, out, transposed, dtypes) -> the configuration picked
+        result["fused_gemm_autotuned"] = {str(key): str(config) for key, config
+                                          in mxfp4_grouped_gemm.autotuned_kernel.cache.items()}
         output_name = "mxfp4_fused_gemm.json"
     else:
         architecture = args.architecture or "gpt-oss-20b"

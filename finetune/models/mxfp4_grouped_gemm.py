@@ -108,7 +108,7 @@ def _grouped_matmul_kernel(x, blocks, scales, offsets, output, rows, experts, gr
              accumulator.to(output.dtype.element_ty), mask=row_mask[:, None] & (column < columns)[None, :])
 
 
-autotuned_kernel = triton.autotune(CONFIGS, key=["rows_bucket", "groups", "outputs", "TRANSPOSED"],
+autotuned_kernel = triton.autotune(CONFIGS, key=["rows_bucket", "experts", "groups", "outputs", "TRANSPOSED"],
                                    cache_results=True)(_grouped_matmul_kernel)
 
 
@@ -117,7 +117,7 @@ def mxfp4_grouped_matmul(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Te
     """`mxfp4_experts._mxfp4_grouped_mm` in one kernel: x [rows, in] (transposed: [rows, out]) sorted by expert,
     offsets [experts] int32 cumulative row ends, blocks [E, out, in/32, 16] and scales [E, out, in/32] of the weight
     W [E, in, out] -> x·W_e (transposed: x·W_eᵀ) for each expert's rows, float32 accumulation, x's dtype. By `config`
-    or, on the GPU, by the fastest of `CONFIGS` for the shape and the power of two above the row count."""
+    or, on the GPU, by the fastest of `CONFIGS` for the shape, the experts and the power of two above the row count."""
     experts, outputs, groups = scales.shape
     rows = x.shape[0]
     columns = groups * 32 if transposed else outputs
