@@ -15,8 +15,9 @@ With --fused_gemm, only the frozen expert GEMM, for GPT-OSS-120B and -20B (or --
 training uses (`mxfp4_experts._mxfp4_grouped_mm`: dequantize a chunk of experts, then torch._grouped_mm) against the
 fused kernel of finetune/models/mxfp4_grouped_gemm.py, on each projection, forward and transposed (the input
 gradient), for each of --gemm_tokens routed uniformly at random to the model's top-k of its experts: milliseconds,
-effective GB/s (MXFP4 weights, x and the output, each moved once) and TFLOP/s of each, max abs difference. One JSON
-line, also in $OUT/mxfp4_fused_gemm.json.
+effective GB/s (MXFP4 weights, x and the output, each moved once) and TFLOP/s of each, max abs difference; and the
+time of dequantizing each whole projection, the share of the chunked path that the fused kernel saves. One JSON line,
+also in $OUT/mxfp4_fused_gemm.json.
 """
 
 import argparse
@@ -195,7 +196,9 @@ def fused_gemm_check(config, token_counts, generator):
     result = {}
     for name, (inputs, outputs) in shapes.items():
         blocks, scales = random_packed(experts, outputs, inputs, generator)
-        result[name] = {}
+        # the chunked path's share that is dequantizing, all experts at once
+        result[name] = {"dequantize_ms": round(timed(functools.partial(mxfp4_experts.dequantize_on_device, blocks,
+                                                                       scales, torch.bfloat16)), 3)}
         for tokens in token_counts:
             offsets = routed_offsets(tokens, experts, config.num_experts_per_tok, generator)
             rows = tokens * config.num_experts_per_tok
