@@ -2,6 +2,7 @@
 under 3 minutes (a CPU with TRITON_INTERPRET=1 and --architecture TINY_MODEL_FOLDER runs the code, not the check):
 
     python benchmarks/mxfp4_resident_check.py [--architecture gpt-oss-20b|gpt-oss-120b] [--tokens 8192] [--kernel_variants]
+    python benchmarks/mxfp4_resident_check.py --fused_gemm [--architecture ...] [--gemm_tokens 2048 8192 16384]
 
 The Triton dequantizer bit-equal to the reference (a layer's blocks; every scale byte), its time per layer and the
 configuration its autotuning picked for each projection shape; one layer's experts with LoRA, forward + backward, dense
@@ -9,6 +10,14 @@ bf16 against resident (time, peak memory, max abs differences: 0 expected); a 2-
 (seconds, peak memory). With --kernel_variants, each configuration the autotuning chooses from and the previous kernel
 (benchmarks/mxfp4_dequantize_previous.py), timed one by one on the layer. One JSON line, also in
 $OUT/mxfp4_resident_check.json.
+
+With --fused_gemm, only the frozen expert GEMM, for GPT-OSS-120B and -20B (or --architecture): the chunked path
+training uses (`mxfp4_experts._mxfp4_grouped_mm`: dequantize a chunk of experts, then torch._grouped_mm) against the
+fused kernel of finetune/models/mxfp4_grouped_gemm.py, on each projection, forward and transposed (the input
+gradient), for each of --gemm_tokens routed uniformly at random to the model's top-k of its experts: milliseconds,
+effective GB/s (MXFP4 weights, x and the output, each moved once) and TFLOP/s of each, max abs difference; and the
+time of dequantizing each whole projection, the share of the chunked path that the fused kernel saves. One JSON line,
+also in $OUT/mxfp4_fused_gemm.json.
 """
 
 import argparse
@@ -28,7 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/ i
 
 from benchmarks import mxfp4_checkpoints, mxfp4_dequantize_previous  # noqa: E402
 from finetune.families import load_architecture  # noqa: E402
-from finetune.models import expert_lora, mxfp4_experts, mxfp4_loading, mxfp4_triton  # noqa: E402
+from finetune.models import (expert_lora, mxfp4_experts, mxfp4_grouped_gemm, mxfp4_loading,  # noqa: E402
+                             mxfp4_triton)
 
 GIB = 1 << 30
 RANK = 16
@@ -173,6 +183,45 @@ def layer_check(config, tokens, generator, variants):
     return result
 
 
+def routed_offsets(tokens, experts, top, generator):
+    """Each token sent to `top` distinct experts drawn uniformly -> where each expert's rows end (int32)."""
+    chosen = torch.rand(tokens, experts, device=DEVICE, generator=generator).topk(top, dim=-1).indices
+    return torch.bincount(chosen.flatten(), minlength=experts).cumsum(0).to(torch.int32)
+
+
+def fused_gemm_check(config, token_counts, generator):
+    """Per projection, per token count, forward and transposed: the chunked path against the fused kernel."""
+    experts, hidden, intermediate = config.num_local_experts, config.hidden_size, config.intermediate_size
+    shapes = {"gate_up_proj": (hidden, 2 * intermediate), "down_proj": (intermediate, hidden)}
+    result = {}
+    for name, (inputs, outputs) in shapes.items():
+        blocks, scales = random_packed(experts, outputs, inputs, generator)
+        # the chunked path's share that is dequantizing, all experts at once
+        result[name] = {"dequantize_ms": round(timed(functools.partial(mxfp4_experts.dequantize_on_device, blocks,
+                                                                       scales, torch.bfloat16)), 3)}
+        for tokens in token_counts:
+            offsets = routed_offsets(tokens, experts, config.num_experts_per_tok, generator)
+            rows = tokens * config.num_experts_per_tok
+            for transposed in (False, True):
+                x = torch.randn(rows, outputs if transposed else inputs, device=DEVICE, generator=generator,
+                                dtype=torch.bfloat16)
+                operands = (x, blocks, scales, offsets, transposed)
+                paths = {"chunked": functools.partial(mxfp4_experts._mxfp4_grouped_mm, *operands),
+                         "fused": functools.partial(mxfp4_grouped_gemm.mxfp4_grouped_matmul, *operands)}
+                chunked, fused = (run() for run in paths.values())
+                moved = blocks.numel() + scales.numel() + x.numel() * x.element_size() + chunked.numel() * 2
+                case = {"max_abs_diff": (fused.float() - chunked.float()).abs().max().item(),
+                        "max_abs_reference": chunked.float().abs().max().item()}
+                for label, run in paths.items():
+                    milliseconds = timed(run, repeats=10 if ON_GPU else 1)  # the interpreter: the code only
+                    case[f"{label}_ms"] = round(milliseconds, 3)
+                    case[f"{label}_GBps"] = round(moved / milliseconds / 1e6, 1)
+                    case[f"{label}_TFLOPs"] = round(2 * rows * inputs * outputs / milliseconds / 1e9, 1)
+                case["fused_over_chunked_time"] = round(case["fused_ms"] / case["chunked_ms"], 3)
+                result[name][f"{tokens} tokens, {'transposed' if transposed else 'forward'}"] = case
+    return result
+
+
 def load_check(config, folder: Path, generator):
     """Two layers written as the hub ships them, loaded resident: seconds, peak GPU memory (near the experts' bf16 size
     would mean a dense copy was made)."""
@@ -204,26 +253,43 @@ def load_check(config, folder: Path, generator):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--architecture", default="gpt-oss-20b")
+    parser.add_argument("--architecture", help="a hub id or a model folder (default gpt-oss-20b; with --fused_gemm, "
+                                               "gpt-oss-120b and gpt-oss-20b)")
     parser.add_argument("--tokens", type=int, default=8192, help="routed tokens: batch 4 x 2048 by default")
     parser.add_argument("--kernel_variants", action="store_true",
                         help="also time each dequantization kernel configuration (and the previous kernel) alone")
+    parser.add_argument("--fused_gemm", action="store_true",
+                        help="only time the frozen expert GEMM: chunked dequantization against the fused kernel")
+    parser.add_argument("--gemm_tokens", type=int, nargs="+", default=[2048, 8192, 16384],
+                        help="with --fused_gemm: the token counts of a micro-batch to route")
     args = parser.parse_args()
-    config = transformers.AutoConfig.from_pretrained(args.architecture) if Path(args.architecture).is_dir() \
-        else load_architecture(args.architecture)
     generator = torch.Generator(device=DEVICE).manual_seed(0)
     device = torch.cuda.get_device_name() if ON_GPU else "cpu"
-    result = {"architecture": args.architecture, "device": device, "torch": torch.__version__,
-              "transformers": transformers.__version__, "triton": triton.__version__, "tokens": args.tokens}
+    result = {"device": device, "torch": torch.__version__, "transformers": transformers.__version__,
+              "triton": triton.__version__}
     start = time.perf_counter()
-    result.update(layer_check(config, args.tokens, generator, args.kernel_variants))
-    with tempfile.TemporaryDirectory(prefix="mxfp4-resident-") as folder:
-        result.update(load_check(config, Path(folder), generator))
+    if args.fused_gemm:
+        architectures = [args.architecture] if args.architecture else ["gpt-oss-120b", "gpt-oss-20b"]
+        result["gemm_tokens"] = args.gemm_tokens
+        result["fused_gemm"] = {architecture: fused_gemm_check(load_architecture(architecture), args.gemm_tokens,
+                                                               generator) for architecture in architectures}
+        # (rows rounded up to a power of two, experts, in/32, out, transposed, dtypes) -> the configuration picked
+        result["fused_gemm_autotuned"] = {str(key): str(config) for key, config
+                                          in mxfp4_grouped_gemm.autotuned_kernel.cache.items()}
+        output_name = "mxfp4_fused_gemm.json"
+    else:
+        architecture = args.architecture or "gpt-oss-20b"
+        result.update({"architecture": architecture, "tokens": args.tokens})
+        config = load_architecture(architecture)
+        result.update(layer_check(config, args.tokens, generator, args.kernel_variants))
+        with tempfile.TemporaryDirectory(prefix="mxfp4-resident-") as folder:
+            result.update(load_check(config, Path(folder), generator))
+        output_name = "mxfp4_resident_check.json"
     result["seconds"] = round(time.perf_counter() - start, 1)
     line = json.dumps(result)
     print(line)
     if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "mxfp4_resident_check.json").write_text(line + "\n")
+        Path(os.environ["OUT"], output_name).write_text(line + "\n")
 
 
 if __name__ == "__main__":

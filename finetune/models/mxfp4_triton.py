@@ -18,6 +18,31 @@ CONFIGS = [triton.Config({"BLOCK_IN": block_in, "BLOCK_OUT": block_out}, num_war
 
 
 @triton.jit
+def decode(byte, scale, ROWS: tl.constexpr, COLUMNS: tl.constexpr):
+    """Stored bytes [ROWS, COLUMNS/2] and their scale bytes [ROWS, COLUMNS/32] -> the float32 values [ROWS, COLUMNS],
+    each exactly the FP4 value times its scale (COLUMNS runs along the weight's `in` axis, as the bytes do)."""
+    # E2M1 code = sign bit, then em: 2 exponent bits (bias 1) and 1 mantissa bit. em << 22 as a float32's bits puts
+    # them at the bottom of its exponent and the top of its mantissa: the FP4 value times 2**-126 (em = 1, i.e. 0.5,
+    # as the subnormal 2**-127), which one exact multiply by 2**126 turns into the value (PTX mul.f32 keeps subnormal
+    # inputs). Three integer operations a value (the old decode's selects and masks took twice the instructions),
+    # straight from the byte, whose low nibble is the even-indexed value of the pair.
+    word = byte.to(tl.uint32)
+    low = ((word << 22) & 0x01C00000) | ((word << 28) & 0x80000000)
+    high = ((word << 18) & 0x01C00000) | ((word << 24) & 0x80000000)
+    value = tl.reshape(tl.join(low, high), (ROWS, COLUMNS)).to(tl.float32, bitcast=True) * 2.0**126
+    # The scale byte is the float's exponent field: 0 is the subnormal 2**-127, 255 the reference's infinity
+    factor = tl.where(scale == 0, 0x00400000, scale.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+    return tl.reshape(tl.reshape(value, (ROWS, COLUMNS // 32, 32)) * factor[:, :, None], (ROWS, COLUMNS))
+
+
+@triton.jit
+def exact_bfloat16(product):
+    # Every finite or infinite product fits bf16 exactly (at most two significant bits, float32's exponent range):
+    # its upper half is torch's rounding of it, subnormals included (the interpreter's conversion gets them wrong).
+    return (product.to(tl.int32, bitcast=True) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
 def _dequantize_kernel(blocks, scales, weight, groups, outputs, BLOCK_IN: tl.constexpr, BLOCK_OUT: tl.constexpr):
     # Sizes as multiples of `groups` (in/32): the compiler then knows each row of bytes starts and ends 16-byte aligned
     # and vectorizes the loads (`inputs // 2` would not tell it)
@@ -31,22 +56,9 @@ def _dequantize_kernel(blocks, scales, weight, groups, outputs, BLOCK_IN: tl.con
                    mask=in_columns & (pair < row_bytes)[None, :], other=0)
     scale = tl.load(scales + expert * outputs * groups + column[:, None] * groups + group[None, :],
                     mask=in_columns & (group < groups)[None, :], other=127)
-    # E2M1 code = sign bit, then em: 2 exponent bits (bias 1) and 1 mantissa bit. em << 22 as a float32's bits puts
-    # them at the bottom of its exponent and the top of its mantissa: the FP4 value times 2**-126 (em = 1, i.e. 0.5,
-    # as the subnormal 2**-127), which one exact multiply by 2**126 turns into the value (PTX mul.f32 keeps subnormal
-    # inputs). Three integer operations a value (the old decode's selects and masks took twice the instructions),
-    # straight from the byte, whose low nibble is the even-indexed value of the pair.
-    word = byte.to(tl.uint32)
-    low = ((word << 22) & 0x01C00000) | ((word << 28) & 0x80000000)
-    high = ((word << 18) & 0x01C00000) | ((word << 24) & 0x80000000)
-    value = tl.reshape(tl.join(low, high), (BLOCK_OUT, BLOCK_IN)).to(tl.float32, bitcast=True) * 2.0**126
-    # The scale byte is the float's exponent field: 0 is the subnormal 2**-127, 255 the reference's infinity
-    factor = tl.where(scale == 0, 0x00400000, scale.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-    product = tl.reshape(tl.reshape(value, (BLOCK_OUT, BLOCK_IN // 32, 32)) * factor[:, :, None], (BLOCK_OUT, BLOCK_IN))
+    product = decode(byte, scale, BLOCK_OUT, BLOCK_IN)
     if weight.dtype.element_ty == tl.bfloat16:
-        # Every finite or infinite product fits bf16 exactly (at most two significant bits, float32's exponent range):
-        # its upper half is torch's rounding of it, subnormals included (the interpreter's conversion gets them wrong).
-        product = (product.to(tl.int32, bitcast=True) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        product = exact_bfloat16(product)
     else:
         product = product.to(weight.dtype.element_ty)
     row = tl.program_id(1) * BLOCK_IN + tl.arange(0, BLOCK_IN)  # along `in`
