@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One device call of `benchmarks/user_path.py --all`: PART is 6 (the Llama recipes cold and warm, Unsloth's Llama), 7
-# (GPT-OSS-20B with checkpointing cold and warm, Unsloth's GPT-OSS), 8 (the same, experts resident), 1 (the Llama recipes, a second launch, SIGTERM, Unsloth's
-# Llama), 2 (GPT-OSS-20B with and without checkpointing, Unsloth's GPT-OSS), 3 (GPT-OSS-120B resident on one GPU), 4
-# (GPT-OSS-20B resident against dequantized) or 5 (resident with checkpointing, Unsloth's GPT-OSS); each fits one call.
+# (GPT-OSS-20B with checkpointing cold and warm, then the fused MXFP4 GEMM's benchmark), 8 (GPT-OSS-20B with
+# checkpointing and its experts resident, cold and warm, Unsloth's GPT-OSS), 1 (the Llama recipes, a second launch,
+# SIGTERM, Unsloth's Llama), 2 (GPT-OSS-20B with and without checkpointing, Unsloth's GPT-OSS), 3 (GPT-OSS-120B
+# resident on one GPU), 4 (GPT-OSS-20B resident against dequantized) or 5 (resident with checkpointing, Unsloth's
+# GPT-OSS); each fits one call.
 # Run from the project's root with `carry` [".whl", ".uw", ".peers"] (../shared/gpu/README.md: the project's wheels in
 # .whl, Unsloth's in .uw, unsloth_peer.py in .peers). The results and logs go to $OUT/up.
 #   bash benchmarks/gpu_lease.sh 1
@@ -35,6 +37,11 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 HF_
 out="${OUT:-runs/up/results}/up"
 python3 benchmarks/user_path.py --all --part "$part" --flags "${FLAGS:-}" --work runs/up --out "$out" --budget "${BUDGET:-520}"
 set +e  # diagnostics only: none of them may cost the rows above
+# part 7 leaves time for the fused MXFP4 grouped GEMM against the chunked path (issue 42: wired into training only if it wins)
+if [ "$part" = 7 ]; then
+  OUT="$out" timeout 170 python3 benchmarks/mxfp4_resident_check.py --fused_gemm > "$out/mxfp4_fused_gemm.log" 2>&1
+  tail -40 "$out/mxfp4_fused_gemm.log"
+fi
 # What the compiled graphs hold besides GPU kernels (a C++ kernel for the CPU costs a compiler run cold and inductor's
 # CPU probe warm), and what the training process imports, in the order and time it imports it
 for source in $(find runs/up/compile-cache -name '*.cpp' 2>/dev/null | head -5); do
