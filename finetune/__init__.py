@@ -17,6 +17,7 @@ from finetune.api import launch, train  # noqa: E402, F401  (the notebook entry 
 
 __version__ = "0.1.0"
 
-# peft imports bitsandbytes whenever transformers is imported (peft/helpers.py), QLoRA or not; on a CPU with AVX512-BF16
-# and no hub access it then logs that it could not fetch an optional CPU 4-bit kernel, which only QLoRA on CPU would use
+# peft imports bitsandbytes whenever it is installed (finetune/sft.py keeps it out of runs that do not use it); on a CPU
+# with AVX512-BF16 and no hub access it then logs that it could not fetch an optional CPU 4-bit kernel, which only QLoRA
+# on CPU would use
 logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)

@@ -11,8 +11,8 @@ N processes through `accelerate launch`. Both take a recipe and overrides named 
 read the same accelerate config file as on the command line (FSDP, DeepSpeed), are checked the same way, and a
 crashed or killed run cannot take the notebook's kernel with it. `notebook_launcher` takes no config file, forks the
 kernel, and refuses to start N processes once bitsandbytes is imported in it ("Libraries known to initialize device
-upon import have been imported already"), which peft does on import: after any `finetune.train` in the same kernel
-(accelerate 1.16, measured).
+upon import have been imported already"), which peft does on import wherever it is installed (accelerate 1.16,
+measured; `finetune.train` keeps it out of a run that does not quantize).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -80,8 +81,8 @@ def train(config: str | os.PathLike | None = None, **overrides) -> TrainResult:
 @contextlib.contextmanager
 def process_state_kept():
     """What a run changes in its process, put back for the notebook's next run: the environment (a recipe's `env:`,
-    the launcher-style compile settings, the MLflow run it continues), inductor's activation budget and the SIGTERM
-    handler (a run's saves its checkpoint on SIGTERM)."""
+    the launcher-style compile settings, the MLflow run it continues), inductor's activation budget, the SIGTERM
+    handler (a run's saves its checkpoint on SIGTERM) and the libraries it kept out (patches.skip_unused_libraries)."""
     import signal
 
     environment = dict(os.environ)  # before torch is imported: importing it sets TORCHINDUCTOR_CACHE_DIR
@@ -89,9 +90,11 @@ def process_state_kept():
 
     budget = patches.activation_memory_budget()
     handler = signal.getsignal(signal.SIGTERM)
+    present = set(sys.modules)
     try:
         yield
     finally:
+        patches.bring_back(set(patches.HIDDEN_WHILE_IMPORTING) - present)
         patches.set_activation_memory_budget(budget)
         signal.signal(signal.SIGTERM, handler)
         os.environ.clear()

@@ -291,6 +291,25 @@ says what to revisit and which test fails first.
   to speed up all-reduces that a CPU run of a tiny model spends no time in.
   targets: deepspeed 0.19.8 (`build_shm_op` in deepspeed/comm/torch.py reads the table).
   guarded by: test_distributed.py::test_full_finetune_runs_the_strategy_of_its_config_file[zero2] (no op built).
+- `hidden_while_importing`, `skip_unused_libraries`, `bring_back`
+  does: puts None in sys.modules for bitsandbytes, scikit-learn and scipy while finetune/sft.py imports the run's
+  modules (Python's own "no such module": `importlib.util.find_spec` answers None, an import raises ImportError), then
+  for the run keeps scikit-learn and scipy out, and bitsandbytes too unless it quantizes (`load_in_4bit`/`8bit`) or
+  trains with one of transformers' bitsandbytes optimizers (`trainer_optimizer._BITSANDBYTES_OPTIMIZERS`, private)
+  or an 8-bit one; a run that uses it gets it back, with peft's `is_bnb_available`/`is_bnb_4bit_available` and
+  transformers' `is_bitsandbytes_available` (cached) asked again. `finetune.train` brings them all back afterwards.
+  why: peft/helpers.py imports bitsandbytes at import whenever it is installed (for a kappa-analysis helper this
+  toolkit never calls; it keeps None there), and peft's LoRA again when it wraps a model; transformers 5.17's
+  generation/candidate_generator.py imports scikit-learn (and with it scipy), its detection losses scipy.optimize,
+  datasets scipy.io when it loads rows: on one H100 (torch 2.11, transformers 5.17) 1.2 s of
+  bitsandbytes (which imports inductor's compile_fx) and 1.16 s of scikit-learn out of 7.6 s of `import finetune.sft`.
+  None of it has a switch. TRL's activation offloading empties the CUDA cache at each step while "bitsandbytes" is a
+  key of sys.modules, which it stays (None), as when peft had imported it.
+  targets: peft 0.21 (helpers.py, tuners/lora/model.py's dispatchers), transformers 5.17-5.25 (`_is_package_available`
+  via find_spec, `trainer_optimizer._BITSANDBYTES_OPTIMIZERS`), datasets 5.2 (`extend_module_for_streaming`).
+  guarded by: test_first_step.py::test_a_lora_run_imports_neither_bitsandbytes_nor_scikit_learn_nor_scipy and
+  test_first_step.py::test_bitsandbytes_stays_out_of_a_run_that_does_not_quantize_and_comes_back_for_one_that_does;
+  QLoRA: test_distributed.py::test_qlora_trains_with_ddp.
 """
 
 import argparse
@@ -789,3 +808,56 @@ def deepspeed_collectives_without_compiled_op() -> None:
     else:  # not probed yet: probing every op runs a compiler per op (libaio's prints a linker error on stderr);
         # only deepspeed/comm/torch.py reads the table, for this op alone
         deepspeed.ops.__compatible_ops__ = {ShareMemCommBuilder.NAME: False}
+
+
+# Libraries that transformers, peft and datasets import whenever they are installed, though no run of this toolkit
+# uses scikit-learn or scipy, and only some bitsandbytes: peft/helpers.py (bitsandbytes) and transformers 5.17's
+# generation/candidate_generator.py (scikit-learn, which imports scipy) when the training process imports them,
+# transformers' detection losses (scipy.optimize) too, peft's LoRA (bitsandbytes, to look for its quantized layers)
+# when it wraps the model, datasets (scipy.io, to patch it for streaming) when it loads the rows.
+NOT_USED_BY_A_RUN = ("sklearn", "scipy")
+HIDDEN_WHILE_IMPORTING = ("bitsandbytes", *NOT_USED_BY_A_RUN)
+
+
+@contextlib.contextmanager
+def hidden_while_importing(names=HIDDEN_WHILE_IMPORTING):
+    """Within the block, `names` look not installed where nothing imported them yet: None in sys.modules is Python's
+    own "no such module", so `importlib.util.find_spec` (transformers' and peft's availability checks) answers None
+    and an import raises ImportError, which their import-time code takes as not installed. Afterwards they import
+    again; transformers keeps its cached answer for scikit-learn and scipy, as if they were not installed."""
+    hidden = [name for name in names if name not in sys.modules]
+    sys.modules.update(dict.fromkeys(hidden, None))
+    try:
+        yield
+    finally:
+        bring_back(hidden)
+
+
+def skip_unused_libraries(model_arguments, training) -> None:
+    """The run sees scikit-learn and scipy as not installed, and bitsandbytes unless it quantizes or trains with a
+    bitsandbytes optimizer (as `skip_unused_deepspeed` does DeepSpeed); a run that uses bitsandbytes gets it back."""
+    from transformers import trainer_optimizer
+
+    optimizer = str(getattr(training.optim, "value", training.optim))
+    # "8bit": GaLore's 8-bit AdamW too, whose package imports bitsandbytes itself
+    uses_bitsandbytes = (model_arguments.load_in_4bit or model_arguments.load_in_8bit or "8bit" in optimizer
+                         or optimizer in trainer_optimizer._BITSANDBYTES_OPTIMIZERS)
+    if uses_bitsandbytes:
+        bring_back(["bitsandbytes"])
+    for name in NOT_USED_BY_A_RUN + (() if uses_bitsandbytes else ("bitsandbytes",)):
+        sys.modules.setdefault(name, None)
+
+
+def bring_back(names) -> None:
+    """The libraries among `names` that were hidden import again; for bitsandbytes, the answers transformers and peft
+    cached while it was hidden are forgotten (peft's LoRA asks whether it is installed each time it wraps a model)."""
+    hidden = [name for name in names if sys.modules.get(name, False) is None]
+    for name in hidden:
+        del sys.modules[name]
+    if "bitsandbytes" not in hidden:
+        return
+    availability_checks = [(sys.modules.get("peft.import_utils"), ("is_bnb_available", "is_bnb_4bit_available")),
+                           (sys.modules.get("transformers.utils.import_utils"), ("is_bitsandbytes_available",))]
+    for module, checks in availability_checks:
+        for check in checks if module is not None else ():
+            getattr(module, check).cache_clear()

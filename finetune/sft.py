@@ -9,14 +9,20 @@ With no arguments it trains the tiny Llama on the bundled sample data (finetune/
 
 from __future__ import annotations
 
-from finetune import run_folder
-from finetune.checks import model_folder, relaunch
-from finetune.checks import recipe as recipe_checks
-from finetune.data import load as data
-from finetune.models import compilation
-from finetune.run import arguments, model, speed
-from finetune.run import trainer as training
-from finetune.run.arguments import RunConfig
+from finetune import patches
+
+# bitsandbytes, scikit-learn and scipy stay out of the process while transformers and peft are imported, which import
+# them whenever they are installed (2.4 s of 7.6 s on an H100 machine); a run that uses bitsandbytes gets it back
+# (arguments.apply_to_process)
+with patches.hidden_while_importing():
+    from finetune import run_folder
+    from finetune.checks import model_folder, relaunch
+    from finetune.checks import recipe as recipe_checks
+    from finetune.data import load as data
+    from finetune.models import compilation
+    from finetune.run import arguments, model, speed
+    from finetune.run import trainer as training
+    from finetune.run.arguments import RunConfig
 
 
 def configure(argv: list[str] | None = None) -> RunConfig:

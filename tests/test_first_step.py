@@ -5,12 +5,15 @@ too short to repay its compiling running eager, and no CPU vector probe in a com
 import importlib.util
 import json
 import os
+import subprocess
 import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
 from transformers import TrainerControl, TrainerState
+
+from tests.helpers import ROOT
 
 
 def test_a_run_without_deepspeed_does_not_import_it_and_one_with_it_gets_it_back(monkeypatch):
@@ -25,6 +28,41 @@ def test_a_run_without_deepspeed_does_not_import_it_and_one_with_it_gets_it_back
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     skip_deepspeed(SimpleNamespace(deepspeed=None))
     assert sys.modules.get("deepspeed", "absent") is not None
+
+
+@pytest.mark.launches  # a fresh interpreter: this one imported transformers and peft long ago
+def test_a_lora_run_imports_neither_bitsandbytes_nor_scikit_learn_nor_scipy(tmp_path):
+    code = f"""
+import sys
+from finetune import run_folder, sft
+imported = lambda: [name for name in ("bitsandbytes", "sklearn", "scipy") if sys.modules.get(name) is not None]
+print("imported by finetune.sft:", imported())
+run, trainer, tokenizer = sft.prepare(["--config", {str(ROOT / "recipes/llama-3.2-1b/lora.yaml")!r}, "--tiny",
+                                       "--output_dir", {str(tmp_path / "out")!r}])
+run_folder.release_lock(run.training.output_dir)
+print("imported by the LoRA run:", imported(), type(trainer.model).__name__)
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    assert "imported by finetune.sft: []" in result.stdout
+    assert "imported by the LoRA run: [] PeftModelForCausalLM" in result.stdout  # data loaded, adapters in place
+
+
+def test_bitsandbytes_stays_out_of_a_run_that_does_not_quantize_and_comes_back_for_one_that_does(monkeypatch):
+    from peft.import_utils import is_bnb_available
+    from transformers.utils.import_utils import is_bitsandbytes_available
+
+    from finetune.patches import skip_unused_libraries
+
+    unquantized = SimpleNamespace(load_in_4bit=False, load_in_8bit=False)
+    monkeypatch.delitem(sys.modules, "bitsandbytes", raising=False)
+    skip_unused_libraries(unquantized, SimpleNamespace(optim="adamw_torch_fused"))
+    is_bnb_available.cache_clear()
+    assert importlib.util.find_spec("bitsandbytes") is None and not is_bnb_available()  # peft's LoRA looks no further
+    skip_unused_libraries(SimpleNamespace(load_in_4bit=True, load_in_8bit=False), SimpleNamespace(optim="adamw_torch"))
+    assert is_bnb_available() and is_bitsandbytes_available()  # what peft and transformers cached is forgotten
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)
+    skip_unused_libraries(unquantized, SimpleNamespace(optim="paged_adamw_32bit"))  # bitsandbytes' optimizers
+    assert importlib.util.find_spec("bitsandbytes") is not None
 
 
 def test_compile_caches_leave_tmp_for_the_finetune_folder_unless_the_user_chose_one(monkeypatch, tmp_path):
@@ -75,7 +113,6 @@ def test_the_compile_line_says_the_previous_launch_s_time(monkeypatch, tmp_path,
 def _gpu_run(recipe: str, *flags: str):
     """The recipe's run as parsed on a GPU machine: compiled as the recipe asks (a CPU turns it off)."""
     from finetune.run.arguments import parse_args
-    from tests.helpers import ROOT
 
     run = parse_args(["--config", str(ROOT / "recipes" / recipe), "--tiny", *flags])
     if "torch_compile" not in run.flags:

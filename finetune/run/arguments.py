@@ -420,11 +420,13 @@ def _deepspeed_asked(value):
 
 
 def apply_to_process(run: RunConfig) -> None:
-    """The one step that changes the process for a run: the recipe's `env:` block, DeepSpeed kept out where unused,
-    regional compilation and inductor's activation budget, the MLflow run to continue, the CPU process group (FSDP over
-    gloo), and the access token moved out of the arguments the Trainer saves."""
+    """The one step that changes the process for a run: the recipe's `env:` block, DeepSpeed, bitsandbytes,
+    scikit-learn and scipy kept out where unused, regional compilation and inductor's activation budget, the MLflow
+    run to continue, the CPU process group (FSDP over gloo), and the access token moved out of the arguments the
+    Trainer saves."""
     os.environ.update(run.env)
     patches.skip_unused_deepspeed(run.training)
+    patches.skip_unused_libraries(run.model, run.training)
     saving.die_with_launcher()
     compilation.prepare_process(run.training, run.finetune.compile_cache_dir)
     if run.training.torch_compile and not run.training.gradient_checkpointing:
