@@ -681,9 +681,9 @@ def skip_unused_deepspeed(training) -> None:
     module", so accelerate's and transformers' checks (importlib.util.find_spec) answer False and nothing imports it.
     A later run in this process that uses DeepSpeed (the Python API) gets it back."""
     uses_deepspeed = bool(training.deepspeed) or os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"
-    if uses_deepspeed and "deepspeed" in sys.modules and sys.modules["deepspeed"] is None:
-        del sys.modules["deepspeed"]
-    elif not uses_deepspeed:
+    if uses_deepspeed:
+        bring_back(["deepspeed"])
+    else:
         sys.modules.setdefault("deepspeed", None)
 
 
