@@ -42,6 +42,8 @@ def profile_training_step(at: int, label: str, out: Path) -> None:
         print(text, flush=True)
         out.mkdir(parents=True, exist_ok=True)
         (out / f"profile_{label}.txt").write_text(text)
+        # the timeline: where the GPU waits for the host (a read back, a launch-bound stretch) shows as a gap
+        profiler.export_chrome_trace(str(out / f"trace_{label}.json"))
         return loss
 
     transformers.Trainer.training_step = training_step
