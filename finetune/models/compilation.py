@@ -70,15 +70,15 @@ class CompileCost:
 
 # Measured (docs/benchmarks.md), by family, method and checkpointing: the compiled recipes only
 COMPILE_COSTS = {
-    ("llama", "LoRA", False): CompileCost(15.6, 19_501, 25_991, "Llama-3.2-3B LoRA: 15.6 s from training's start "
+    ("llama", "LoRA", False): CompileCost(10.7, 19_501, 25_991, "Llama-3.2-3B LoRA: 10.7 s from training's start "
                                           "to the first step with empty caches on one H100 (2026-12-06), 19.5k real "
                                           "tok/s eager and 26.0k compiled on chat rows (H200, 2026-12-02)"),
-    ("gpt-oss", "LoRA", True): CompileCost(118.7, 7_029, 8_399, "GPT-OSS-20B LoRA with checkpointing: 118.7 s from "
+    ("gpt-oss", "LoRA", True): CompileCost(42.6, 7_029, 8_399, "GPT-OSS-20B LoRA with checkpointing: 42.6 s from "
                                            "training's start to the first step with empty caches on one H100 "
                                            "(2026-12-06), 7.0k tok/s eager and 8.4k compiled (H200, 2026-12-03)"),
-    ("gpt-oss", "LoRA", False): CompileCost(252.0, 12_681, 23_737, "GPT-OSS-20B LoRA: 252 s of compiling as with "
-                                            "checkpointing (one H100, 2026-12-05), 12.7k tok/s eager and 23.7k "
-                                            "compiled (H200, 2026-12-02)"),
+    ("gpt-oss", "LoRA", False): CompileCost(43.0, 12_681, 23_737, "GPT-OSS-20B LoRA: 43.0 s from training's start "
+                                            "to the first step with empty caches on one H100 (2026-12-06), 12.7k "
+                                            "tok/s eager and 23.7k compiled (H200, 2026-12-02)"),
 }
 
 
