@@ -12,7 +12,7 @@ bf16 against resident (time, peak memory, max abs differences: 0 expected); a 2-
 $OUT/mxfp4_resident_check.json.
 
 With --fused_gemm, only the frozen expert GEMM, for GPT-OSS-120B and -20B (or --architecture): the chunked path
-training uses (`mxfp4_experts._mxfp4_grouped_mm`: dequantize a chunk of experts, then torch._grouped_mm) against the
+training uses (`mxfp4_experts._chunked_grouped_mm`: dequantize a chunk of experts, then torch._grouped_mm) against the
 fused kernel of finetune/models/mxfp4_grouped_gemm.py, on each projection, forward and transposed (the input
 gradient), for each of --gemm_tokens routed uniformly at random to the model's top-k of its experts: milliseconds,
 effective GB/s (MXFP4 weights, x and the output, each moved once) and TFLOP/s of each, max abs difference; and the
@@ -206,7 +206,7 @@ def fused_gemm_check(config, token_counts, generator):
                 x = torch.randn(rows, outputs if transposed else inputs, device=DEVICE, generator=generator,
                                 dtype=torch.bfloat16)
                 operands = (x, blocks, scales, offsets, transposed)
-                paths = {"chunked": functools.partial(mxfp4_experts._mxfp4_grouped_mm, *operands),
+                paths = {"chunked": functools.partial(mxfp4_experts._chunked_grouped_mm, *operands),
                          "fused": functools.partial(mxfp4_grouped_gemm.mxfp4_grouped_matmul, *operands)}
                 chunked, fused = (run() for run in paths.values())
                 moved = blocks.numel() + scales.numel() + x.numel() * x.element_size() + chunked.numel() * 2

@@ -54,11 +54,16 @@ CASES = {  # name: recipe, model folder, extra flags
     "gptoss20b_resident": ("gpt-oss-20b/lora.yaml", "gpt-oss-20b", [*COMPILED, "--dequantize_mxfp4", "false"]),
     "gptoss20b_resident_ckpt": ("gpt-oss-20b/lora.yaml", "gpt-oss-20b",
                                 [*COMPILED, "--dequantize_mxfp4", "false", "--gradient_checkpointing", "true"]),
-    "gptoss120b_lora": ("gpt-oss-120b/lora.yaml", "gpt-oss-120b", []),
+    "gptoss120b_lora": ("gpt-oss-120b/lora.yaml", "gpt-oss-120b", COMPILED),
+    "gptoss120b_lora_eager": ("gpt-oss-120b/lora.yaml", "gpt-oss-120b", ["--torch_compile", "false"]),
+    # the recipe header's variant for one 141 GB GPU (H200)
+    "gptoss120b_lora_r16": ("gpt-oss-120b/lora.yaml", "gpt-oss-120b",
+                            [*COMPILED, "--lora_r", "16", "--lora_alpha", "32", "--optim", "adamw_torch_fused"]),
 }
 # An optimizer step of the 120B recipe is 16 rows of 2,048 tokens: 8 steps give 3 after the warm-up ones. GPT-OSS-20B's
 # steps take ~3 s: 12 give 7 after the warm-up ones and leave a device call room for a cold and a warm launch.
-STEPS_OF_CASE = {"gptoss120b_lora": 8, **{name: 12 for name in ("gptoss20b_lora_ckpt", "gptoss20b_resident_ckpt")}}
+STEPS_OF_CASE = {**{name: 8 for name in ("gptoss120b_lora", "gptoss120b_lora_eager", "gptoss120b_lora_r16")},
+                 **{name: 12 for name in ("gptoss20b_lora_ckpt", "gptoss20b_resident_ckpt")}}
 # The GPU machine's disk (64 GiB) cannot hold GPT-OSS-120B's 61 GiB folder: it is written to memory (a tmpfs)
 BIG_MODELS = Path(os.environ.get("USER_PATH_BIG_MODELS", "/dev/shm/finetune-up"))
 ARCHITECTURES = {"llama3b": "meta-llama/Llama-3.2-3B-Instruct", "llama1b": "meta-llama/Llama-3.2-1B-Instruct"}
@@ -392,7 +397,7 @@ PARTS = {
         ("sigterm", "llama3b_lora"), ("unsloth", "llama")],
     2: [("run", "gptoss20b_lora_ckpt"), ("run", "gptoss20b_lora"), ("unsloth", "gpt-oss"),
         ("second", "gptoss20b_lora_ckpt")],
-    3: [("run", "gptoss120b_lora")],
+    3: [("run", "gptoss120b_lora"), ("run", "gptoss120b_lora_eager")],
     4: [("run", "gptoss20b_resident"), ("run", "gptoss20b_lora")],
     5: [("run", "gptoss20b_resident_ckpt"), ("unsloth", "gpt-oss")],
     # the first step, cold (an empty cache folder, as on a new machine) and warm (a second launch on the same machine)
@@ -401,6 +406,8 @@ PARTS = {
         ("unsloth", "llama"), ("model", "gpt-oss-20b")],
     7: [("run", "gptoss20b_lora_ckpt"), ("second", "gptoss20b_lora_ckpt")],
     8: [("run", "gptoss20b_resident_ckpt"), ("second", "gptoss20b_resident_ckpt"), ("unsloth", "gpt-oss")],
+    # GPT-OSS-120B at r16 with fp32 AdamW: on one H200 (kind nvidia-h200)
+    9: [("run", "gptoss120b_lora_r16")],
 }
 LEAST_SECONDS = 60  # no task starts with less of the budget left
 

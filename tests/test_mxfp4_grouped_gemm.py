@@ -1,6 +1,6 @@
 """The fused MXFP4 grouped GEMM (finetune/models/mxfp4_grouped_gemm.py) under Triton's interpreter on CPU tensors,
 skipped without triton (.ci/run installs it and runs these tests), against the chunked path it would replace
-(`mxfp4_experts._mxfp4_grouped_mm`).
+(`mxfp4_experts._chunked_grouped_mm`), and where training takes it.
 
 Both accumulate in float32 and round to bf16, in different orders: the kernel's output is compared with the float32
 product rounded to bf16, within one bf16 ulp of the larger of the two plus twice float32's worst-case error of a sum
@@ -51,7 +51,7 @@ def activations(transposed: bool) -> torch.Tensor:
 def assert_within_accumulation_order(kernel: torch.Tensor, x: torch.Tensor, blocks, scales, offsets, transposed):
     """The float32 reference product of the chunked path, rounded to bf16, on the rows the experts own."""
     routed = int(offsets[-1])
-    reference = mxfp4_experts._mxfp4_grouped_mm(x.float(), blocks, scales, offsets, transposed)[:routed]
+    reference = mxfp4_experts._chunked_grouped_mm(x.float(), blocks, scales, offsets, transposed)[:routed]
     weights = mxfp4_experts.dequantize(blocks, scales, torch.float32).abs()
     magnitudes = expert_lora.grouped_mm(x.float().abs(), weights.transpose(-2, -1) if transposed else weights,
                                         offsets)[:routed]
@@ -102,3 +102,27 @@ def test_benchmark_times_the_fused_gemm_against_the_chunked_path(interpreted_gem
         for case in (projections[name][f"24 tokens, {form}"] for form in ("forward", "transposed")):
             assert case["fused_ms"] > 0 and case["chunked_ms"] > 0
             assert case["max_abs_diff"] <= case["max_abs_reference"] * 2**-7  # one bf16 ulp of the largest output
+
+
+def test_training_takes_the_fused_gemm_where_the_experts_get_at_most_256_rows_each(interpreted_gemm, monkeypatch):
+    """The operator GroupedLoraMatmul calls for resident experts, forward and input gradient: the fused kernel up to
+    FUSED_GEMM_MAX_ROWS_PER_EXPERT rows an expert on average, the chunked path above (Triton's interpreter stands in
+    for the GPU's kernel)."""
+    taken = []
+    monkeypatch.setattr(mxfp4_experts, "_fused_gemm_kernel", lambda x: taken.append(x.shape[0]) or interpreted_gemm)
+    blocks, scales = packed()
+    at_the_limit = mxfp4_experts.FUSED_GEMM_MAX_ROWS_PER_EXPERT * EXPERTS
+    generator = torch.Generator().manual_seed(2)
+    for transposed in (False, True):
+        x = torch.randn(at_the_limit, OUTPUTS if transposed else GROUPS * 32, generator=generator).to(torch.bfloat16)
+        offsets = torch.tensor((0, 700, 700, at_the_limit - 5, at_the_limit - 5), dtype=torch.int32)
+        product = mxfp4_experts.grouped_mm(x, blocks, scales, offsets, transposed)
+        assert taken.pop() == at_the_limit
+        assert_within_accumulation_order(product, x, blocks, scales, offsets, transposed)
+        assert not product[at_the_limit - 5:].any()
+
+        one_more = torch.cat([x, x[:1]])
+        product = mxfp4_experts.grouped_mm(one_more, blocks, scales, offsets, transposed)
+        assert not taken
+        chunked = mxfp4_experts._chunked_grouped_mm(one_more, blocks, scales, offsets, transposed)
+        assert torch.equal(product[:at_the_limit - 5], chunked[:at_the_limit - 5])  # rows past the experts' are not set

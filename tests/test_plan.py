@@ -315,27 +315,31 @@ def test_the_120b_recipe_plans_one_80_gb_gpu_resident_and_one_141_gb_gpu_at_r16_
     h100 = choice.plan(read_recipe(path), gpus=1, gpu="H100", recipe_path=path, host_memory_gib=128)
     assert h100.technique == "ddp" and h100.command.startswith(
         "accelerate launch --config_file accelerate_configs/ddp.yaml --num_processes 1 scripts/sft.py")
-    assert h100.estimates["ddp"].per_gpu_gib == pytest.approx(71.5, abs=0.05)  # the recipe's header
-    one_more = choice.plan(read_recipe(path, {"lora_r": s.lora_r + 1}), gpus=1, gpu="H100", host_memory_gib=128)
-    assert not one_more.fits and f"a smaller LoRA rank: --lora_r {s.lora_r}" in one_more.suggestions  # the largest
+    assert h100.estimates["ddp"].per_gpu_gib == pytest.approx(70.5, abs=0.05)  # the recipe's header
+    # the largest rank that fits eager too: a run too short to repay its compile runs eager (compile_only_if_it_pays)
+    eager = choice.plan(read_recipe(path, {"torch_compile": False}), gpus=1, gpu="H100", host_memory_gib=128)
+    assert eager.fits and eager.estimates["ddp"].per_gpu_gib == pytest.approx(71.5, abs=0.05)
+    one_more = choice.plan(read_recipe(path, {"lora_r": s.lora_r + 1, "torch_compile": False}), gpus=1, gpu="H100",
+                           host_memory_gib=128)
+    assert not one_more.fits and f"a smaller LoRA rank: --lora_r {s.lora_r}" in one_more.suggestions
     flags = ["--lora_r", "16", "--lora_alpha", "32", "--optim", "adamw_torch_fused"]  # the header's H200 variant
     h200 = choice.plan(planner_setup.recipe_with_flags(path, flags), gpus=1, gpu="H200", host_memory_gib=128)
-    assert h200.technique == "ddp" and h200.estimates["ddp"].per_gpu_gib == pytest.approx(86.2, abs=0.05)
+    assert h200.technique == "ddp" and h200.estimates["ddp"].per_gpu_gib == pytest.approx(85.2, abs=0.05)
     assert not choice.plan(planner_setup.recipe_with_flags(path, flags), gpus=1, gpu="H100", host_memory_gib=128).fits
 
 
 def test_the_120b_recipe_takes_the_largest_micro_batch_one_80_gb_gpu_fits_and_keeps_16_rows_a_step():
     """Packed rows of 2,048 tokens a micro-batch, a divisor of the 16 rows a step: the recipe's fits one H100, twice
-    as many do not. The recipe plans within 10% of the peak measured on one H100 with it as shipped (67.95 GiB,
-    max_memory_allocated, 2026-12-06, docs/results/gptoss120b-2026-12-06c-h100), and one row within 10% of the peak
-    measured with one row (67.58 GiB), a run that dequantized each projection whole, not a chunk at a time."""
+    as many do not. The recipe with its layers eager plans within 10% of the peak measured on one H100 with it so
+    (67.95 GiB, max_memory_allocated, 2026-12-06, docs/results/gptoss120b-2026-12-06d-h100), and one row within 10% of
+    the peak measured with one row (67.58 GiB), a run that dequantized each projection whole, not a chunk at a time."""
     path = ROOT / "recipes/gpt-oss-120b/lora.yaml"
     values = read_recipe(path)
     rows = values["per_device_train_batch_size"]
     assert rows * values["gradient_accumulation_steps"] == 16
 
     def planned(micro_batch: int):
-        at = read_recipe(path, {"per_device_train_batch_size": micro_batch,
+        at = read_recipe(path, {"per_device_train_batch_size": micro_batch, "torch_compile": False,
                                 "gradient_accumulation_steps": 16 // micro_batch})
         return choice.plan(at, gpus=1, gpu="H100", host_memory_gib=128)
 
@@ -359,8 +363,8 @@ def test_a_technique_needing_more_host_memory_than_the_host_has_is_never_chosen_
              "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "1"]  # the header's 8-GPU path
     values = planner_setup.recipe_with_flags(str(ROOT / "recipes/gpt-oss-120b/lora.yaml"), eight)
     node = choice.plan(values, gpus=8, gpu="H100", host_memory_gib=128)
-    assert node.technique == "zero3" and node.estimates["zero3"].per_gpu_gib == pytest.approx(47.1, abs=0.05)
-    assert node.estimates["fsdp2"].per_gpu_gib == pytest.approx(48.5, abs=0.05)
+    assert node.technique == "zero3" and node.estimates["zero3"].per_gpu_gib == pytest.approx(46.6, abs=0.05)
+    assert node.estimates["fsdp2"].per_gpu_gib == pytest.approx(48.0, abs=0.05)
     assert choice.plan(values, gpus=8, gpu="H100", host_memory_gib=560).technique == "fsdp2"
 
 

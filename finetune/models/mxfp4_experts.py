@@ -1,7 +1,8 @@
 """GPT-OSS experts kept in MXFP4 and computed from it: the frozen expert weights stay as the checkpoint stores them
 (`gate_up_proj_blocks`/`_scales`, `down_proj_blocks`/`_scales`, uint8) and are dequantized just before each grouped
-GEMM, in the forward and again in the backward, never saved. FP4 values times a power of two are exact in bf16 and
-float32, so each GEMM sees the very weight that dequantizing at load gives.
+GEMM, a chunk of experts at a time, in the forward and again in the backward, never saved; or, on a GPU where the
+experts get few rows each, decoded inside the GEMM's tiles (finetune/models/mxfp4_grouped_gemm.py). FP4 values times a
+power of two are exact in bf16 and float32, so each GEMM sees the very weight that dequantizing at load gives.
 
 The format (benchmarks/mxfp4_checkpoints.py writes and reads it independently): a weight held [experts, in, out] in
 memory is stored [experts, out, in / 32, 16]: 32 values along `in` share one E8M0 scale byte s (2**(s - 127)), two
@@ -63,8 +64,36 @@ def in_features(blocks: torch.Tensor) -> int:
 # ---- The frozen GEMM from MXFP4 ----------------------------------------------------------------------------------
 
 
+# The fused kernel (finetune/models/mxfp4_grouped_gemm.py) reads 4.25 bits a weight inside its tiles instead of
+# writing a chunk of experts in bf16 and reading it back; cuBLAS's grouped GEMM wins once the experts have many rows.
+# One H100, 2026-12-06 (docs/benchmarks.md), fused over chunked time, GPT-OSS-20B and -120B, forward and transposed:
+# 0.38-0.91 at 64-256 rows an expert, 0.98-1.12 at 512, 1.36-1.84 at 1,024-2,048.
+FUSED_GEMM_MAX_ROWS_PER_EXPERT = 256
+
+
+def _fused_gemm_kernel(x: torch.Tensor):
+    """finetune/models/mxfp4_grouped_gemm.py where it can run: a CUDA tensor and triton installed."""
+    if not x.is_cuda:
+        return None
+    try:
+        from finetune.models import mxfp4_grouped_gemm
+    except ImportError:
+        return None
+    return mxfp4_grouped_gemm
+
+
 def _mxfp4_grouped_mm(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
                       transposed: bool) -> torch.Tensor:
+    """The fused kernel where the experts get few rows (on average: counting them would read the offsets back), the
+    chunked path elsewhere."""
+    fused = _fused_gemm_kernel(x) if x.shape[0] <= FUSED_GEMM_MAX_ROWS_PER_EXPERT * blocks.shape[0] else None
+    if fused is not None:
+        return fused.mxfp4_grouped_matmul(x, blocks, scales, offsets, transposed)
+    return _chunked_grouped_mm(x, blocks, scales, offsets, transposed)
+
+
+def _chunked_grouped_mm(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
+                        transposed: bool) -> torch.Tensor:
     """Each chunk of experts is dequantized and multiplied with its own rows only (x is sorted by expert): the same
     GEMMs as over the whole projection, with a fraction of its dequantized weight alive at a time."""
     experts = blocks.shape[0]

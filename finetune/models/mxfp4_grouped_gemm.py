@@ -1,11 +1,12 @@
-"""The frozen expert GEMM of finetune/models/mxfp4_experts.py (`_mxfp4_grouped_mm`) as one Triton kernel that reads
+"""The frozen expert GEMM of finetune/models/mxfp4_experts.py (`_chunked_grouped_mm`) as one Triton kernel that reads
 the MXFP4 bytes inside the GEMM: each tile decodes its slice of blocks and scales to bf16 in registers (the
 dequantizer's own decode, finetune/models/mxfp4_triton.py) and feeds it to the tensor cores with float32
 accumulation, so a pass over a projection reads 4.25 bits a weight instead of dequantizing it to bf16 in memory and
 reading that back. Importing this module needs triton.
 
-Measured against the chunked path by `benchmarks/mxfp4_resident_check.py --fused_gemm`; training does not use it
-until it beats "dequantize a chunk of experts, then torch._grouped_mm" on the GPU.
+Measured against the chunked path ("dequantize a chunk of experts, then torch._grouped_mm") by
+`benchmarks/mxfp4_resident_check.py --fused_gemm`: training takes it where the experts get at most
+`mxfp4_experts.FUSED_GEMM_MAX_ROWS_PER_EXPERT` rows on average, where it won on the GPU.
 
 Rows of x are sorted by expert and offsets[e] is where expert e's rows end, as torch._grouped_mm takes them. The grid
 is a fixed upper bound of row tiles (rows / BLOCK_M + experts) times the output's column tiles; each program finds
@@ -114,7 +115,7 @@ autotuned_kernel = triton.autotune(CONFIGS, key=["rows_bucket", "experts", "grou
 
 def mxfp4_grouped_matmul(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
                          transposed: bool, config: triton.Config | None = None) -> torch.Tensor:
-    """`mxfp4_experts._mxfp4_grouped_mm` in one kernel: x [rows, in] (transposed: [rows, out]) sorted by expert,
+    """`mxfp4_experts._chunked_grouped_mm` in one kernel: x [rows, in] (transposed: [rows, out]) sorted by expert,
     offsets [experts] int32 cumulative row ends, blocks [E, out, in/32, 16] and scales [E, out, in/32] of the weight
     W [E, in, out] -> x·W_e (transposed: x·W_eᵀ) for each expert's rows, float32 accumulation, x's dtype. By `config`
     or, on the GPU, by the fastest of `CONFIGS` for the shape, the experts and the power of two above the row count."""
