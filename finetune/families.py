@@ -94,8 +94,20 @@ def gpt_oss_expert(a) -> dict[str, tuple[int, int]]:
 
 # MXFP4-resident experts are dequantized at most this many bytes of one projection at a time, a chunk of whole experts
 # (at least one): finetune/models/mxfp4_experts.py computes with it and finetune/planner/memory.py counts it. A whole
-# GPT-OSS-120B projection is 128 experts, 3.96 GiB in bf16, beside 60.8 GiB of resident weights; 16 of them are 0.49.
-DEQUANTIZED_CHUNK_BYTES = 512 * 2**20
+# GPT-OSS-120B projection is 128 experts, 3.96 GiB in bf16, beside 60.8 GiB of resident weights; 32 of them are 0.99.
+# GPT-OSS-20B's gate_up (32 experts, 0.99 GiB) is taken whole: one GEMM, no read back of the offsets, no copy of the
+# chunks' outputs into the projection's.
+DEQUANTIZED_CHUNK_BYTES = 2**30
+# Where the experts get at most this many routed rows each on average, the GEMM decodes the MXFP4 weights inside its
+# tiles instead (finetune/models/mxfp4_grouped_gemm.py) and nothing is dequantized. One H100, 2026-12-06
+# (docs/benchmarks.md), fused over chunked time, GPT-OSS-20B and -120B, forward and transposed: 0.38-0.91 at 64-256
+# rows an expert, 0.98-1.12 at 512, 1.36-1.84 at 1,024-2,048.
+FUSED_GEMM_MAX_ROWS_PER_EXPERT = 256
+
+
+def fused_gemm_takes(rows: int, experts: int) -> bool:
+    """Whether a GPU computes the resident experts' GEMM of `rows` routed rows with the fused kernel."""
+    return rows <= FUSED_GEMM_MAX_ROWS_PER_EXPERT * experts
 
 
 def dequantized_chunk_experts(expert_bytes: int, experts: int) -> int:

@@ -15,6 +15,7 @@ import sys
 import pytest
 import torch
 
+from finetune import families
 from finetune.models import expert_lora, mxfp4_experts
 
 EXPERTS, OUTPUTS, GROUPS = 5, 96, 5  # in = 160 and out = 96: no multiple of the tiles along either
@@ -106,12 +107,12 @@ def test_benchmark_times_the_fused_gemm_against_the_chunked_path(interpreted_gem
 
 def test_training_takes_the_fused_gemm_where_the_experts_get_at_most_256_rows_each(interpreted_gemm, monkeypatch):
     """The operator GroupedLoraMatmul calls for resident experts, forward and input gradient: the fused kernel up to
-    FUSED_GEMM_MAX_ROWS_PER_EXPERT rows an expert on average, the chunked path above (Triton's interpreter stands in
+    families.FUSED_GEMM_MAX_ROWS_PER_EXPERT rows an expert on average, the chunked path above (Triton's interpreter stands in
     for the GPU's kernel)."""
     taken = []
     monkeypatch.setattr(mxfp4_experts, "_fused_gemm_kernel", lambda x: taken.append(x.shape[0]) or interpreted_gemm)
     blocks, scales = packed()
-    at_the_limit = mxfp4_experts.FUSED_GEMM_MAX_ROWS_PER_EXPERT * EXPERTS
+    at_the_limit = families.FUSED_GEMM_MAX_ROWS_PER_EXPERT * EXPERTS
     generator = torch.Generator().manual_seed(2)
     for transposed in (False, True):
         x = torch.randn(at_the_limit, OUTPUTS if transposed else GROUPS * 32, generator=generator).to(torch.bfloat16)

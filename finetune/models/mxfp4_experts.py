@@ -18,7 +18,7 @@ compiled graph can keep the dequantized weight for the backward.
 
 import torch
 
-from finetune.families import dequantized_chunk_experts
+from finetune.families import dequantized_chunk_experts, fused_gemm_takes
 from finetune.models import expert_lora
 
 BLOCK = 32  # values that share one scale
@@ -64,13 +64,6 @@ def in_features(blocks: torch.Tensor) -> int:
 # ---- The frozen GEMM from MXFP4 ----------------------------------------------------------------------------------
 
 
-# The fused kernel (finetune/models/mxfp4_grouped_gemm.py) reads 4.25 bits a weight inside its tiles instead of
-# writing a chunk of experts in bf16 and reading it back; cuBLAS's grouped GEMM wins once the experts have many rows.
-# One H100, 2026-12-06 (docs/benchmarks.md), fused over chunked time, GPT-OSS-20B and -120B, forward and transposed:
-# 0.38-0.91 at 64-256 rows an expert, 0.98-1.12 at 512, 1.36-1.84 at 1,024-2,048.
-FUSED_GEMM_MAX_ROWS_PER_EXPERT = 256
-
-
 def _fused_gemm_kernel(x: torch.Tensor):
     """finetune/models/mxfp4_grouped_gemm.py where it can run: a CUDA tensor and triton installed."""
     if not x.is_cuda:
@@ -84,9 +77,10 @@ def _fused_gemm_kernel(x: torch.Tensor):
 
 def _mxfp4_grouped_mm(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
                       transposed: bool) -> torch.Tensor:
-    """The fused kernel where the experts get few rows (on average: counting them would read the offsets back), the
-    chunked path elsewhere."""
-    fused = _fused_gemm_kernel(x) if x.shape[0] <= FUSED_GEMM_MAX_ROWS_PER_EXPERT * blocks.shape[0] else None
+    """The fused kernel, which reads 4.25 bits a weight inside its tiles instead of writing a chunk of experts in bf16
+    and reading it back, where the experts get few rows (on average: counting them would read the offsets back);
+    cuBLAS's grouped GEMM after dequantizing, which wins once they get many, elsewhere."""
+    fused = _fused_gemm_kernel(x) if fused_gemm_takes(x.shape[0], blocks.shape[0]) else None
     if fused is not None:
         return fused.mxfp4_grouped_matmul(x, blocks, scales, offsets, transposed)
     return _chunked_grouped_mm(x, blocks, scales, offsets, transposed)

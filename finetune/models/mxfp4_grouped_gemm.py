@@ -6,7 +6,7 @@ reading that back. Importing this module needs triton.
 
 Measured against the chunked path ("dequantize a chunk of experts, then torch._grouped_mm") by
 `benchmarks/mxfp4_resident_check.py --fused_gemm`: training takes it where the experts get at most
-`mxfp4_experts.FUSED_GEMM_MAX_ROWS_PER_EXPERT` rows on average, where it won on the GPU.
+`families.FUSED_GEMM_MAX_ROWS_PER_EXPERT` rows on average, where it won on the GPU.
 
 Rows of x are sorted by expert and offsets[e] is where expert e's rows end, as torch._grouped_mm takes them. The grid
 is a fixed upper bound of row tiles (rows / BLOCK_M + experts) times the output's column tiles; each program finds

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from finetune.families import FAMILIES, dequantized_chunk_experts
+from finetune.families import FAMILIES, dequantized_chunk_experts, fused_gemm_takes
 from finetune.planner.architecture import (
     BYTES,
     Architecture,
@@ -101,8 +101,8 @@ def mxfp4_resident(a: Architecture, s: Setup) -> bool:
       attention adapters' rank-r outputs, 24;
     - that layer's backward transients, 126,720 (activation_bytes);
     - every layer's router logits for the load-balancing loss, 18,432 (router_logits_bytes);
-    - the dequantized chunk's GEMM output, 5,760, beside the chunk itself (0.49 GiB whatever the tokens;
-      mxfp4_dequantized_bytes);
+    - at more than 256 routed rows an expert, the dequantized chunk's GEMM output, 5,760, beside the chunk itself
+      (0.99 GiB whatever the tokens; mxfp4_dequantized_bytes); at fewer (the recipe's 4 rows: 256) neither;
     - TRL's fused LM head (loss_buffer_bytes): a tile of at most 4,096 tokens x 32,768 vocabulary columns (0.25 GiB)
       and the hidden state's gradient, 17,280; never the (tokens x vocabulary) logits."""
     return a.mxfp4_experts and not s.dequantize_mxfp4
@@ -203,12 +203,14 @@ def mxfp4_dequantized_bytes(a: Architecture, s: Setup) -> float:
     """MXFP4 resident: what finetune/models/mxfp4_experts.py's grouped GEMM holds beside the activations, in the
     forward, the recompute and the backward, one projection of one layer at a time, freed after it:
     - one chunk of experts dequantized: as many whole experts of the projection as the code takes together
-      (families.dequantized_chunk_experts, which both call) (120B: 16 experts of gate_up, 2880 x 5760, or
-      32 of down, 0.49 GiB in bf16 either way, where the whole projection is 3.96 GiB);
+      (families.dequantized_chunk_experts, which both call) (120B: 32 experts of gate_up, 2880 x 5760, or
+      64 of down, 0.99 GiB in bf16 either way, where the whole projection is 3.96 GiB);
     - when the projection takes more than one chunk, the chunk's GEMM output before it is copied into the projection's
       output: its experts' share of the routed rows (tokens x experts_per_token x chunk / experts, routing counted
-      even) times the wider of the projection's widths (forward: out, backward: in)."""
-    if not mxfp4_resident(a, s):
+      even) times the wider of the projection's widths (forward: out, backward: in).
+    Nothing where the fused kernel takes the GEMM (families.fused_gemm_takes: few routed rows an expert; torch's CUDA
+    wheels bring the triton it needs): it decodes the weights inside its tiles."""
+    if not mxfp4_resident(a, s) or fused_gemm_takes(s.tokens * a.experts_per_token, a.experts):
         return 0.0
     dtype_bytes = BYTES.get(s.dtype, 4)
     largest = 0.0
