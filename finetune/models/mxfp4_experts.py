@@ -16,6 +16,8 @@ reads blocks and scales through the `finetune::mxfp4_grouped_mm` operator here, 
 compiled graph can keep the dequantized weight for the backward.
 """
 
+import functools
+
 import torch
 
 from finetune.families import dequantized_chunk_experts, fused_gemm_takes
@@ -66,11 +68,14 @@ def in_features(blocks: torch.Tensor) -> int:
 
 def _fused_gemm_kernel(x: torch.Tensor):
     """finetune/models/mxfp4_grouped_gemm.py where it can run: a CUDA tensor and triton installed."""
-    if not x.is_cuda:
-        return None
+    return _fused_gemm_module() if x.is_cuda else None
+
+
+@functools.cache
+def _fused_gemm_module():
     try:
         from finetune.models import mxfp4_grouped_gemm
-    except ImportError:
+    except ImportError:  # no triton: asked once, not at every GEMM
         return None
     return mxfp4_grouped_gemm
 
