@@ -37,7 +37,7 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 HF_
 out="${OUT:-runs/up/results}/up"
 python3 benchmarks/user_path.py --all --part "$part" --flags "${FLAGS:-}" --work runs/up --out "$out" --budget "${BUDGET:-520}"
 set +e  # diagnostics only: none of them may cost the rows above
-# part 7 leaves time for the fused MXFP4 grouped GEMM against the chunked path (issue 42: wired into training only if it wins)
+# part 7 leaves time for the fused MXFP4 grouped GEMM against the chunked path (issue 42: training takes it where it won)
 if [ "$part" = 7 ]; then
   OUT="$out" timeout 170 python3 benchmarks/mxfp4_resident_check.py --fused_gemm > "$out/mxfp4_fused_gemm.log" 2>&1
   tail -40 "$out/mxfp4_fused_gemm.log"

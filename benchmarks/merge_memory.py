@@ -11,7 +11,8 @@ adapter read) and again at the end.
 
 With --real_widths the layers are GPT-OSS-120B's (finetune/model_configs/gpt-oss-120b.json: 128 experts of width
 2880, the 201,088-token vocabulary), stored in shards of 4 GiB as openai/gpt-oss-120b is, and the adapter has the
-120B recipe's rank 3 unless --rank says otherwise. The merge then holds what it holds at 120B, a chunk of experts of
+rank 3 unless --rank says otherwise (the 120B recipe's rank when the figures in docs/benchmarks.md were measured;
+r4 since). The merge then holds what it holds at 120B, a chunk of experts of
 the real size and one module's adapter weights, at any depth; only peft's read of the whole adapter at the start, and
 what the process keeps of it, grow with the depth. So that read is measured on its own, on the meta model of all 36
 layers with a random adapter of the same rank (0.75 GiB at r3, 4 GiB at r16, fp32 as peft saves it), and at 120B
@@ -207,8 +208,8 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--experts", type=int, default=16)
     parser.add_argument("--shard_mb", type=float, default=8)
-    parser.add_argument("--rank", type=int, help="the adapter's rank (default 16; 3, the 120B recipe's, with "
-                                                   "--real_widths)")
+    parser.add_argument("--rank", type=int, help="the adapter's rank (default 16; 3 with --real_widths, as "
+                                                   "measured)")
     parser.add_argument("--real_widths", action="store_true",
                         help="GPT-OSS-120B's layers in 4 GiB shards (ignores --hidden, --experts, --shard_mb); the "
                              "streamed merge only, extrapolated to 120B")

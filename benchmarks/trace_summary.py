@@ -13,6 +13,8 @@ import json
 def summarize(trace: dict, top: int) -> dict:
     kernels = sorted((event for event in trace["traceEvents"] if event.get("ph") == "X"
                       and event.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda event: event["ts"])
+    if not kernels:
+        raise SystemExit("the trace holds no GPU kernel: profiled on a CPU, or without ProfilerActivity.CUDA")
     busy, run_start, run_end, gaps = 0.0, None, None, []
     for event in kernels:
         start, end = event["ts"], event["ts"] + event["dur"]

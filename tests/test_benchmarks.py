@@ -118,3 +118,21 @@ def test_user_path_times_a_fresh_launch_and_refuses_a_resumed_one(tmp_path):
     assert judge(steps=2)["status"] == "ok"
     failed = partial(user_path.judge, "llama1b_full", None, 240, 0.0, output_dir, 2, tmp_path / "llama1b_full.log")()
     assert failed["status"] == "cut short" and "still running after its 240 s" in failed["reason"]
+
+
+def test_trace_summary_counts_the_gpu_busy_between_kernels_and_sums_them_by_name():
+    from benchmarks.trace_summary import summarize
+
+    def kernel(name, start, duration):
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": start, "dur": duration}
+
+    # a kernel inside another, a 500 us gap (the host's wait), a copy; CPU ops are not the GPU's time
+    trace = {"traceEvents": [kernel("gemm", 0, 1000), kernel("add", 200, 300), kernel("gemm", 1500, 300),
+                             {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD", "ts": 1800, "dur": 100},
+                             {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5000}]}
+    summary = summarize(trace, top=2)
+    assert (summary["gpu_span_ms"], summary["gpu_busy_ms"], summary["idle_gaps_over_100us_ms"]) == (1.9, 1.4, 0.5)
+    assert summary["kernels_by_total_ms"] == [{"name": "gemm", "ms": 1.3, "calls": 2},
+                                              {"name": "add", "ms": 0.3, "calls": 1}]
+    with pytest.raises(SystemExit, match="no GPU kernel"):
+        summarize({"traceEvents": [trace["traceEvents"][-1]]}, top=2)

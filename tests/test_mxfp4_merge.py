@@ -31,7 +31,7 @@ def dequantized(folder):
 
 @pytest.fixture(scope="module")
 def adapter(small_shards, tmp_path_factory):
-    """LoRA r3 (the 120B recipe's rank) on every attention projection and both expert weights, with random B so
+    """LoRA r3 (a rank the grouped GEMMs pad, as the 120B recipe's r4) on every attention projection and both expert weights, with random B so
     that every merged weight moves; saved as peft saves it, with the tokenizer."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoTokenizer

@@ -10,6 +10,8 @@ and the Triton kernel (under TRITON_INTERPRET=1, skipped without triton) against
 
 import dataclasses
 import importlib
+import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -383,3 +385,20 @@ def test_a_micro_batch_of_several_packed_rows_gives_the_loss_and_gradients_of_th
     for name, gradient in gradients.items():
         torch.testing.assert_close(gradient, expected[name], rtol=1e-5, atol=1e-5 * expected[name].abs().max(),
                                    msg=name)
+
+
+def test_the_fused_gemm_runs_only_on_a_gpu_with_bf16_tensor_cores_and_triton(monkeypatch):
+    """Elsewhere the chunked path computes: a CPU tensor, a GPU below compute capability 8.0 (no bf16 tensor cores),
+    a GPU without triton."""
+    assert mxfp4_experts._fused_gemm_kernel(torch.zeros(4, 64)) is None
+    on_gpu = SimpleNamespace(is_cuda=True, device="cuda:0")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    assert mxfp4_experts._fused_gemm_kernel(on_gpu) is None
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setitem(sys.modules, "triton", None)  # import triton raises ImportError
+    monkeypatch.delitem(sys.modules, "finetune.models.mxfp4_grouped_gemm", raising=False)
+    mxfp4_experts._triton_kernels.cache_clear()
+    try:
+        assert mxfp4_experts._fused_gemm_kernel(on_gpu) is None
+    finally:
+        mxfp4_experts._triton_kernels.cache_clear()  # what triton there is, found again by the next caller

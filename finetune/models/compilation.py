@@ -68,7 +68,9 @@ class CompileCost:
     measured: str
 
 
-# Measured (docs/benchmarks.md), by family, method and checkpointing: the compiled recipes only
+# Measured (docs/benchmarks.md), by family, method and checkpointing: the compiled recipes only. GPT-OSS-120B takes
+# GPT-OSS-20B's figures until its compiled speed is measured: they credit a step with less than the 120B gains, so a
+# 120B run between ~15 and ~60 steps runs eager where compiling would have paid.
 COMPILE_COSTS = {
     ("llama", "LoRA", False): CompileCost(10.7, 19_501, 25_991, "Llama-3.2-3B LoRA: 10.7 s from training's start "
                                           "to the first step with empty caches on one H100 (2026-12-06), 19.5k real "

@@ -17,6 +17,7 @@ compiled graph can keep the dequantized weight for the backward.
 """
 
 import functools
+import importlib
 
 import torch
 
@@ -49,14 +50,19 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -
 
 
 def dequantize_on_device(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The Triton kernel on a CUDA GPU where triton is installed (bit-equal to `dequantize`), the reference elsewhere."""
-    if blocks.device.type == "cuda":
-        try:
-            from finetune.models import mxfp4_triton
-        except ImportError:  # no triton: the reference, with its larger temporaries
-            return dequantize(blocks, scales, dtype)
-        return mxfp4_triton.dequantize(blocks, scales, dtype)
-    return dequantize(blocks, scales, dtype)
+    """The Triton kernel on a CUDA GPU where triton is installed (bit-equal to `dequantize`), the reference elsewhere
+    (without triton, with its larger temporaries)."""
+    kernels = _triton_kernels("mxfp4_triton") if blocks.device.type == "cuda" else None
+    return kernels.dequantize(blocks, scales, dtype) if kernels else dequantize(blocks, scales, dtype)
+
+
+@functools.cache
+def _triton_kernels(module: str):
+    """finetune/models/`module`.py, or None where triton is not installed: asked once, not at every GEMM."""
+    try:
+        return importlib.import_module(f"finetune.models.{module}")
+    except ImportError:
+        return None
 
 
 def in_features(blocks: torch.Tensor) -> int:
@@ -67,17 +73,11 @@ def in_features(blocks: torch.Tensor) -> int:
 
 
 def _fused_gemm_kernel(x: torch.Tensor):
-    """finetune/models/mxfp4_grouped_gemm.py where it can run: a CUDA tensor and triton installed."""
-    return _fused_gemm_module() if x.is_cuda else None
-
-
-@functools.cache
-def _fused_gemm_module():
-    try:
-        from finetune.models import mxfp4_grouped_gemm
-    except ImportError:  # no triton: asked once, not at every GEMM
+    """finetune/models/mxfp4_grouped_gemm.py where it can run: a CUDA tensor on a GPU with bf16 tensor cores (compute
+    capability 8.0, as torch._grouped_mm needs), triton installed."""
+    if not x.is_cuda or torch.cuda.get_device_capability(x.device) < (8, 0):
         return None
-    return mxfp4_grouped_gemm
+    return _triton_kernels("mxfp4_grouped_gemm")
 
 
 def _mxfp4_grouped_mm(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,

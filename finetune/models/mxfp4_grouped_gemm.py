@@ -11,8 +11,8 @@ Measured against the chunked path ("dequantize a chunk of experts, then torch._g
 Rows of x are sorted by expert and offsets[e] is where expert e's rows end, as torch._grouped_mm takes them. The grid
 is a fixed upper bound of row tiles (rows / BLOCK_M + experts) times the output's column tiles; each program finds
 its expert and rows from `offsets` on the device (a cumulative sum of the experts' row tiles), so no count is read
-back to the host and the kernel can run inside a CUDA graph. Row tiles past the last expert's rows write the zeros
-that the chunked path leaves there.
+back to the host and the kernel can run inside a CUDA graph. Row tiles past the last expert's rows write zeros (the
+experts' forward routes every row, so training has none).
 
 The stored layout is [experts, out, in/32, 16] bytes with one scale per 32 values along `in`. The forward product
 x·W_e (W_e [in, out]) reduces over `in`: a tile reads, for each of its output columns, a contiguous run of bytes along

@@ -102,7 +102,7 @@ def mxfp4_resident(a: Architecture, s: Setup) -> bool:
     - that layer's backward transients, 126,720 (activation_bytes);
     - every layer's router logits for the load-balancing loss, 18,432 (router_logits_bytes);
     - at more than 256 routed rows an expert, the dequantized chunk's GEMM output, 5,760, beside the chunk itself
-      (0.99 GiB whatever the tokens; mxfp4_dequantized_bytes); at fewer (the recipe's 4 rows: 256) neither;
+      (0.99 GiB whatever the tokens; mxfp4_dequantized_bytes); at 256 or fewer (the recipe's 4 rows: 256) neither;
     - TRL's fused LM head (loss_buffer_bytes): a tile of at most 4,096 tokens x 32,768 vocabulary columns (0.25 GiB)
       and the hidden state's gradient, 17,280; never the (tokens x vocabulary) logits."""
     return a.mxfp4_experts and not s.dequantize_mxfp4

@@ -158,7 +158,8 @@ class FinetuneArguments:
         default=True,
         metadata={"help": "MXFP4 checkpoints (openai/gpt-oss-*): true dequantizes the experts to the training dtype "
                           "on load; false keeps them resident in MXFP4 on the GPU (a quarter of the memory) and "
-                          "dequantizes each layer's just before its GEMMs, with bit-equal results "
+                          "dequantizes each layer's just before its GEMMs (bit-equal weights), or, where the experts "
+                          "get few rows each, decodes them inside the GEMM (equal up to the order of the sums) "
                           "(finetune/models/mxfp4_experts.py; one process, expert_lora_kernel: grouped)."},
     )
     resume_with_new_schedule: bool = field(
