@@ -402,3 +402,15 @@ def test_the_fused_gemm_runs_only_on_a_gpu_with_bf16_tensor_cores_and_triton(mon
         assert mxfp4_experts._fused_gemm_kernel(on_gpu) is None
     finally:
         mxfp4_experts._triton_kernels.cache_clear()  # what triton there is, found again by the next caller
+
+
+def test_resident_experts_loaded_on_a_gpu_without_triton_say_so_with_the_fix(monkeypatch, capsys):
+    monkeypatch.setattr(mxfp4_experts, "without_triton", lambda: True)
+    mxfp4_loading.say_without_triton(torch.device("cpu"))
+    assert capsys.readouterr().out == ""  # a CPU never uses the kernels
+    mxfp4_loading.say_without_triton(torch.device("cuda", 0))
+    said = capsys.readouterr().out
+    assert "triton is not installed" in said and "`pip install triton` fixes it" in said
+    monkeypatch.setattr(mxfp4_experts, "without_triton", lambda: False)
+    mxfp4_loading.say_without_triton(torch.device("cuda", 0))
+    assert capsys.readouterr().out == ""

@@ -56,6 +56,10 @@ def dequantize_on_device(blocks: torch.Tensor, scales: torch.Tensor, dtype: torc
     return kernels.dequantize(blocks, scales, dtype) if kernels else dequantize(blocks, scales, dtype)
 
 
+def without_triton() -> bool:
+    return _triton_kernels("mxfp4_triton") is None
+
+
 @functools.cache
 def _triton_kernels(module: str):
     """finetune/models/`module`.py, or None where triton is not installed: asked once, not at every GEMM."""

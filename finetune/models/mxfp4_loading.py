@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 
-from finetune.errors import UserError
+from finetune.errors import UserError, say
 from finetune.models import mxfp4_experts
 
 INDEX, SINGLE = "model.safetensors.index.json", "model.safetensors"
@@ -81,10 +81,19 @@ def load(model_name_or_path: str, device: torch.device | str, dtype: torch.dtype
                 mxfp4_experts.make_resident(experts, device, dtype)
     _materialize(model, device)
     _fill(model, files, device)
+    say_without_triton(device)
     model.eval()
     if (folder / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(folder)
     return model
+
+
+def say_without_triton(device: torch.device) -> None:
+    """Resident experts on a GPU compute through Triton kernels, which the plan counts on; without triton they fall
+    back to torch's own operations, slower and with larger temporaries: said once, with the fix."""
+    if device.type == "cuda" and mxfp4_experts.without_triton():
+        say("triton is not installed: the MXFP4 experts are dequantized with torch's operations instead of its kernels "
+            "(slower, and more memory than `finetune plan` counts); `pip install triton` fixes it.")
 
 
 @torch.no_grad()
