@@ -2,7 +2,7 @@
 under 3 minutes (a CPU with TRITON_INTERPRET=1 and --architecture TINY_MODEL_FOLDER runs the code, not the check):
 
     python benchmarks/mxfp4_resident_check.py [--architecture gpt-oss-20b|gpt-oss-120b] [--tokens 8192] [--kernel_variants]
-    python benchmarks/mxfp4_resident_check.py --fused_gemm [--architecture ...] [--gemm_tokens 2048 8192 16384]
+    python benchmarks/mxfp4_resident_check.py --fused_gemm [--architecture ...] [--gemm_tokens 2048 4096 8192 16384]
 
 The Triton dequantizer bit-equal to the reference (a layer's blocks; every scale byte), its time per layer and the
 configuration its autotuning picked for each projection shape; one layer's experts with LoRA, forward + backward, dense
@@ -261,8 +261,9 @@ def main():
                         help="also time each dequantization kernel configuration (and the previous kernel) alone")
     parser.add_argument("--fused_gemm", action="store_true",
                         help="only time the frozen expert GEMM: chunked dequantization against the fused kernel")
-    parser.add_argument("--gemm_tokens", type=int, nargs="+", default=[2048, 8192, 16384],
-                        help="with --fused_gemm: the token counts of a micro-batch to route")
+    parser.add_argument("--gemm_tokens", type=int, nargs="+", default=[2048, 4096, 8192, 16384],
+                        help="with --fused_gemm: the token counts of a micro-batch to route (4,096: 512 rows an "
+                             "expert at GPT-OSS-20B, where the fused kernel's winning range may end)")
     args = parser.parse_args()
     generator = torch.Generator(device=DEVICE).manual_seed(0)
     device = torch.cuda.get_device_name() if ON_GPU else "cpu"
