@@ -31,8 +31,8 @@ from finetune.models.mxfp4_triton import decode, exact_bfloat16
 # `in` in whole 32-value scale blocks. The configurations the H100's autotuning picked for GPT-OSS-20B and -120B at 2k,
 # 8k and 16k tokens, forward and transposed (docs/results/gptoss120b-2026-12-06d-h100/mxfp4_fused_gemm.json: 128x128x64
 # for 20 of the 24 shapes); the two it never picked, 128x128x128 and 128x256x64, are left out, as each configuration
-# costs a kernel compile and a timing in the first step on a new machine. Compiled for sm_90 (Triton 3.9), those hold
-# 252-255 registers a thread and some spill; a 32-wide reduction step decodes half as much at a time, and the two
+# costs a kernel compile and a timing in the first step on a new machine. Compiled for sm_90 (Triton 3.9,
+# benchmarks/fused_gemm_registers.py), those hold 252-255 registers a thread and some spill; a 32-wide reduction step decodes half as much at a time, and the two
 # 32-wide ones here spill in neither direction (128x128x32: 216 and 181 registers; 256x64x32, which decodes each
 # weight tile for twice the rows: 255 and 244), not yet timed on a GPU.
 CONFIGS = [triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k}, num_warps=warps,
