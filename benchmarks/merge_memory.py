@@ -12,9 +12,9 @@ adapter read) and again at the end.
 With --real_widths the layers are GPT-OSS-120B's (finetune/model_configs/gpt-oss-120b.json: 128 experts of width
 2880, the 201,088-token vocabulary), stored in shards of 4 GiB as openai/gpt-oss-120b is, and the adapter has the
 rank 3 unless --rank says otherwise (the 120B recipe's rank when the figures in docs/benchmarks.md were measured;
-r4 since). The merge then holds what it holds at 120B, a chunk of experts of
-the real size and one module's adapter weights, at any depth; only peft's read of the whole adapter at the start, and
-what the process keeps of it, grow with the depth. So that read is measured on its own, on the meta model of all 36
+r4 since). The merge then holds what it holds at 120B, a chunk of experts of the real size and one module's adapter
+weights, at any depth; only peft's read of the whole adapter at the start, and what the process keeps of it, grow
+with the depth. So that read is measured on its own, on the meta model of all 36
 layers with a random adapter of the same rank (0.75 GiB at r3, 4 GiB at r16, fp32 as peft saves it), and at 120B
 
     peak above start = max(adapter read, held after the adapter read + (merge peak - held after the adapter read

@@ -7,8 +7,8 @@ under 3 minutes (a CPU with TRITON_INTERPRET=1 and --architecture TINY_MODEL_FOL
 The Triton dequantizer bit-equal to the reference (a layer's blocks; every scale byte), its time per layer and the
 configuration its autotuning picked for each projection shape; one layer's experts with LoRA, forward + backward, dense
 bf16 against resident (time, peak memory, max abs differences: 0 expected where the chunked path runs, bf16 rounding
-where the fused GEMM takes the experts, at most 256 rows each: 120B at 8,192 tokens); a 2-layer checkpoint loaded resident
-(seconds, peak memory). With --kernel_variants, each configuration the autotuning chooses from and the previous kernel
+where the fused GEMM takes the experts, at most 256 rows each: 120B at 8,192 tokens); a 2-layer checkpoint loaded
+resident (seconds, peak memory). With --kernel_variants, each configuration the autotuning chooses from and the previous kernel
 (benchmarks/mxfp4_dequantize_previous.py), timed one by one on the layer. One JSON line, also in
 $OUT/mxfp4_resident_check.json.
 

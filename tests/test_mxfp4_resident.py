@@ -392,9 +392,9 @@ def test_the_fused_gemm_runs_only_on_a_gpu_with_bf16_tensor_cores_and_triton(mon
     a GPU without triton."""
     assert mxfp4_experts._fused_gemm_kernel(torch.zeros(4, 64)) is None
     on_gpu = SimpleNamespace(is_cuda=True, device="cuda:0")
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: SimpleNamespace(major=7, minor=5))
     assert mxfp4_experts._fused_gemm_kernel(on_gpu) is None
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: SimpleNamespace(major=9, minor=0))
     monkeypatch.setitem(sys.modules, "triton", None)  # import triton raises ImportError
     monkeypatch.delitem(sys.modules, "finetune.models.mxfp4_grouped_gemm", raising=False)
     mxfp4_experts._triton_kernels.cache_clear()

@@ -112,14 +112,19 @@ torch.library.register_fake("finetune::loop_mm_per_expert", _loop_mm_per_expert_
 TORCH_VERSION = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
 
 
+def bf16_tensor_cores(device: torch.device) -> bool:
+    """A CUDA GPU of compute capability 8.0 or more."""
+    # get_device_properties, not get_device_capability: dynamo folds the former to a constant
+    return torch.cuda.get_device_properties(device).major >= 8
+
+
 def grouped_mm_runs(reference: torch.Tensor, *widths: int) -> bool:
     """Whether torch._grouped_mm takes these operands: bf16 on a CUDA GPU of compute capability 8.0 or more, or a CPU
     with torch >= 2.10, and every row 16-byte aligned (the kernel's requirement on strides)."""
     if not hasattr(torch, "_grouped_mm") or any(width * reference.element_size() % 16 for width in widths):
         return False
     if reference.device.type == "cuda":
-        # get_device_properties, not get_device_capability: dynamo folds the former to a constant
-        return reference.dtype == torch.bfloat16 and torch.cuda.get_device_properties(reference.device).major >= 8
+        return reference.dtype == torch.bfloat16 and bf16_tensor_cores(reference.device)
     if reference.device.type == "cpu":
         # inductor lowers grouped_mm for bf16 only
         return TORCH_VERSION >= (2, 10) and (reference.dtype == torch.bfloat16 or not torch.compiler.is_compiling())

@@ -79,7 +79,7 @@ def in_features(blocks: torch.Tensor) -> int:
 def _fused_gemm_kernel(x: torch.Tensor):
     """finetune/models/mxfp4_grouped_gemm.py where it can run: a CUDA tensor on a GPU with bf16 tensor cores (compute
     capability 8.0, as torch._grouped_mm needs), triton installed."""
-    if not x.is_cuda or torch.cuda.get_device_capability(x.device) < (8, 0):
+    if not x.is_cuda or not expert_lora.bf16_tensor_cores(x.device):
         return None
     return _triton_kernels("mxfp4_grouped_gemm")
 

@@ -32,9 +32,9 @@ from finetune.models.mxfp4_triton import decode, exact_bfloat16
 # 8k and 16k tokens, forward and transposed (docs/results/gptoss120b-2026-12-06d-h100/mxfp4_fused_gemm.json: 128x128x64
 # for 20 of the 24 shapes); the two it never picked, 128x128x128 and 128x256x64, are left out, as each configuration
 # costs a kernel compile and a timing in the first step on a new machine. Compiled for sm_90 (Triton 3.9,
-# benchmarks/fused_gemm_registers.py), those hold 252-255 registers a thread and some spill; a 32-wide reduction step decodes half as much at a time, and the two
-# 32-wide ones here spill in neither direction (128x128x32: 216 and 181 registers; 256x64x32, which decodes each
-# weight tile for twice the rows: 255 and 244), not yet timed on a GPU.
+# benchmarks/fused_gemm_registers.py), those hold 252-255 registers a thread and some spill; a 32-wide reduction step
+# decodes half as much at a time, and the two 32-wide ones here spill in neither direction (128x128x32: 216 and 181
+# registers; 256x64x32, which decodes each weight tile for twice the rows: 255 and 244), not yet timed on a GPU.
 CONFIGS = [triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k}, num_warps=warps,
                          num_stages=stages)
            for block_m, block_n, block_k, warps, stages in ((128, 128, 64, 8, 3), (64, 128, 64, 4, 4),
