@@ -4,7 +4,8 @@
 # checkpointing and its experts resident, cold and warm, Unsloth's GPT-OSS), 1 (the Llama recipes, a second launch,
 # SIGTERM, Unsloth's Llama), 2 (GPT-OSS-20B with and without checkpointing, Unsloth's GPT-OSS), 3 (GPT-OSS-120B
 # resident on one GPU, compiled as shipped, then eager), 4 (GPT-OSS-20B resident against dequantized), 5 (resident
-# with checkpointing, Unsloth's GPT-OSS) or 9 (GPT-OSS-120B at r16 with fp32 AdamW, for one H200); each fits one call.
+# with checkpointing, Unsloth's GPT-OSS), 9 (GPT-OSS-120B at r16 with fp32 AdamW, for one H200) or 10 (GPT-OSS-20B resident
+# with and without checkpointing, then dequantized without); each fits one call.
 # Run from the project's root with `carry` [".whl", ".uw", ".peers"] (../shared/gpu/README.md: the project's wheels in
 # .whl, Unsloth's in .uw, unsloth_peer.py in .peers). The results and logs go to $OUT/up.
 #   bash benchmarks/gpu_lease.sh 1
@@ -12,7 +13,7 @@ set -euo pipefail
 # this session's GPU processes left by an earlier call would skew the memory and the speed
 for pid in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null); do kill -9 "$pid" 2>/dev/null || true; done
 df -h /dev/shm . | sed 's/^/[lease] /'; free -g | sed 's/^/[lease] /' 
-part=${1:?usage: gpu_lease.sh 1|2|3|4|5|6|7|8|9}
+part=${1:?usage: gpu_lease.sh 1|2|3|4|5|6|7|8|9|10}
 # bytecode compiled as a user's `pip install` leaves it: a first import that compiles it is a wait no user has.
 # Once per machine: a later call of the same lease finds them installed.
 wheels=$(ls -l .whl .uw | md5sum | cut -c1-32)

@@ -30,16 +30,14 @@ from finetune.models.mxfp4_triton import decode, exact_bfloat16
 # BLOCK_K (the reduction step of the forward) and BLOCK_N (the output columns of the transposed product) run along
 # `in` in whole 32-value scale blocks. The configurations the H100's autotuning picked for GPT-OSS-20B and -120B at 2k,
 # 8k and 16k tokens, forward and transposed (docs/results/gptoss120b-2026-12-06d-h100/mxfp4_fused_gemm.json: 128x128x64
-# for 20 of the 24 shapes); the two it never picked, 128x128x128 and 128x256x64, are left out, as each configuration
-# costs a kernel compile and a timing in the first step on a new machine. Compiled for sm_90 (Triton 3.9,
-# benchmarks/fused_gemm_registers.py), those hold 252-255 registers a thread and some spill; a 32-wide reduction step
-# decodes half as much at a time, and the two 32-wide ones here spill in neither direction (128x128x32: 216 and 181
-# registers; 256x64x32, which decodes each weight tile for twice the rows: 255 and 244), not yet timed on a GPU.
+# for 20 of the 24 shapes); each configuration costs a kernel compile and a timing in the first step on a new machine,
+# so those it never picked are left out: 128x128x128 and 128x256x64, and the 32-wide reduction steps 128x128x32 and
+# 256x64x32, which spill no registers (benchmarks/fused_gemm_registers.py) but lost to these at every shape of the next
+# lease (docs/results/gptoss120b-2026-12-06e-h100/mxfp4_fused_gemm.json).
 CONFIGS = [triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k}, num_warps=warps,
                          num_stages=stages)
            for block_m, block_n, block_k, warps, stages in ((128, 128, 64, 8, 3), (64, 128, 64, 4, 4),
-                                                            (64, 128, 128, 4, 3), (64, 256, 64, 8, 3),
-                                                            (128, 128, 32, 8, 4), (256, 64, 32, 8, 3))]
+                                                            (64, 128, 128, 4, 3), (64, 256, 64, 8, 3))]
 
 # The width of the kernel's table of experts: one compiled kernel serves GPT-OSS-20B's 32 and 120B's 128 experts
 EXPERTS_AT_LEAST = 128
