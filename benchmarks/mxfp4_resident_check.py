@@ -3,6 +3,7 @@ under 3 minutes (a CPU with TRITON_INTERPRET=1 and --architecture TINY_MODEL_FOL
 
     python benchmarks/mxfp4_resident_check.py [--architecture gpt-oss-20b|gpt-oss-120b] [--tokens 8192] [--kernel_variants]
     python benchmarks/mxfp4_resident_check.py --fused_gemm [--architecture ...] [--gemm_tokens 2048 4096 8192 16384]
+    python benchmarks/mxfp4_resident_check.py --prefetch [--architecture ...] [--tokens 8192] [--layers 4]
 
 The Triton dequantizer bit-equal to the reference (a layer's blocks; every scale byte), its time per layer and the
 configuration its autotuning picked for each projection shape; one layer's experts with LoRA, forward + backward, dense
@@ -19,6 +20,12 @@ gradient), for each of --gemm_tokens routed uniformly at random to the model's t
 effective GB/s (MXFP4 weights, x and the output, each moved once) and TFLOP/s of each, max abs difference; and the
 time of dequantizing each whole projection, the share of the chunked path that the fused kernel saves. One JSON line,
 also in $OUT/mxfp4_fused_gemm.json.
+
+With --prefetch, --layers layers of resident experts with LoRA, forward through all then backward (the order a
+micro-batch asks for their chunks), each chunk dequantized where it is asked for against the next one dequantized on
+a second stream during this one's GEMM (`mxfp4_experts.DequantizePrefetch`), and the same layers dense in bf16:
+milliseconds of each, max abs difference of the output and gradients with and without the prefetch (0 expected). One
+JSON line, also in $OUT/mxfp4_prefetch.json.
 """
 
 import argparse
@@ -184,6 +191,53 @@ def layer_check(config, tokens, generator, variants):
     return result
 
 
+class DequantizedWhereAsked(mxfp4_experts.DequantizePrefetch):
+    """Every chunk dequantized when its GEMM asks for it, as before the prefetch."""
+
+    def _start(self, follower, dtype):
+        return None
+
+
+def prefetch_check(config, tokens, layers, generator):
+    experts, hidden, intermediate = config.num_local_experts, config.hidden_size, config.intermediate_size
+    shapes = {"gate_up_proj": (hidden, 2 * intermediate), "down_proj": (intermediate, hidden)}
+    pairs = [experts_pair(config, {name: random_packed(experts, outputs, inputs, generator)
+                                   for name, (inputs, outputs) in shapes.items()}) for _ in range(layers)]
+    hidden_states = torch.randn(tokens, hidden, device=DEVICE, dtype=torch.bfloat16, generator=generator)
+    top, indices = torch.randn(tokens, experts, device=DEVICE, generator=generator).topk(config.num_experts_per_tok,
+                                                                                        dim=-1)
+    routing = torch.softmax(top, dim=-1).to(torch.bfloat16)
+    adapters = [{name: tuple((torch.randn(experts, *shape, device=DEVICE, generator=generator) * 0.01)
+                             .to(torch.bfloat16).requires_grad_() for shape in ((inputs, RANK), (RANK, outputs)))
+                 + (2.0,) for name, (inputs, outputs) in shapes.items()} for _ in range(layers)]
+    leaves = [factor for layer in adapters for lora_in, lora_out, _ in layer.values() for factor in (lora_in, lora_out)]
+
+    def through_all(which: int):
+        inputs = hidden_states.clone().requires_grad_()
+        output = inputs
+        for pair, layer_adapters in zip(pairs, adapters, strict=True):
+            output = expert_lora.experts_forward(pair[which], output, indices, routing, layer_adapters)
+        return [output.detach(), *torch.autograd.grad(output.float().square().mean(), [inputs, *leaves])]
+
+    result, runs = {"layers": layers, "tokens": tokens}, {}
+    original = mxfp4_experts.PREFETCH
+    for label, which, prefetch in (("dense", 0, original), ("resident, dequantized where asked", 1,
+                                                            DequantizedWhereAsked()),
+                                   ("resident, next chunk prefetched", 1, mxfp4_experts.DequantizePrefetch())):
+        mxfp4_experts.PREFETCH = prefetch
+        base = reset_peak()
+        milliseconds = timed(functools.partial(through_all, which))
+        runs[label] = through_all(which)  # with the prefetch: every chunk of this pass was dequantized ahead
+        result[label] = {"fwd_bwd_ms": round(milliseconds, 2), "peak_above_weights_GiB": round(peak_since(base), 3),
+                         "hits": prefetch.hits, "misses": prefetch.misses}
+    mxfp4_experts.PREFETCH = original
+    pairs_of_runs = zip(runs["resident, dequantized where asked"], runs["resident, next chunk prefetched"], strict=True)
+    result["max_abs_diff_prefetched"] = max((a.float() - b.float()).abs().max().item() for a, b in pairs_of_runs)
+    for label in ("resident, dequantized where asked", "resident, next chunk prefetched"):
+        result[f"{label} over dense time"] = round(result[label]["fwd_bwd_ms"] / result["dense"]["fwd_bwd_ms"], 3)
+    return result
+
+
 def routed_offsets(tokens, experts, top, generator):
     """Each token sent to `top` distinct experts drawn uniformly -> where each expert's rows end (int32)."""
     chosen = torch.rand(tokens, experts, device=DEVICE, generator=generator).topk(top, dim=-1).indices
@@ -261,6 +315,9 @@ def main():
                         help="also time each dequantization kernel configuration (and the previous kernel) alone")
     parser.add_argument("--fused_gemm", action="store_true",
                         help="only time the frozen expert GEMM: chunked dequantization against the fused kernel")
+    parser.add_argument("--prefetch", action="store_true",
+                        help="only time --layers layers of resident experts with and without the next chunk prefetched")
+    parser.add_argument("--layers", type=int, default=4, help="with --prefetch: layers of experts in a row")
     parser.add_argument("--gemm_tokens", type=int, nargs="+", default=[2048, 4096, 8192, 16384],
                         help="with --fused_gemm: the token counts of a micro-batch to route (4,096: 512 rows an "
                              "expert at GPT-OSS-20B, where the fused kernel's winning range may end)")
@@ -279,6 +336,11 @@ def main():
         result["fused_gemm_autotuned"] = {str(key): str(config) for key, config
                                           in mxfp4_grouped_gemm.autotuned_kernel.cache.items()}
         output_name = "mxfp4_fused_gemm.json"
+    elif args.prefetch:
+        architecture = args.architecture or "gpt-oss-20b"
+        result["architecture"] = architecture
+        result.update(prefetch_check(load_architecture(architecture), args.tokens, args.layers, generator))
+        output_name = "mxfp4_prefetch.json"
     else:
         architecture = args.architecture or "gpt-oss-20b"
         result.update({"architecture": architecture, "tokens": args.tokens})

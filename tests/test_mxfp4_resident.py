@@ -106,6 +106,7 @@ def test_a_projection_dequantized_a_chunk_of_experts_at_a_time_gives_the_whole_p
     generator = torch.Generator().manual_seed(1)
     offsets = torch.tensor([3, 3, 9, 10, 10, 17, 20], dtype=torch.int32)  # experts 1 and 4 get no rows
     x = torch.randn(20, 24 if transposed else 64, generator=generator)
+    monkeypatch.setattr(mxfp4_experts, "PREFETCH", mxfp4_experts.DequantizePrefetch())  # no requests seen before
     whole = mxfp4_experts.grouped_mm(x, blocks, scales, offsets, transposed)
     dequantized = []
     original = mxfp4_experts.dequantize_on_device
@@ -414,3 +415,42 @@ def test_resident_experts_loaded_on_a_gpu_without_triton_say_so_with_the_fix(mon
     monkeypatch.setattr(mxfp4_experts, "without_triton", lambda: False)
     mxfp4_loading.say_without_triton(torch.device("cuda", 0))
     assert capsys.readouterr().out == ""
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "layers compiled"])
+def test_once_a_micro_batch_has_shown_the_order_each_chunk_of_experts_is_dequantized_before_it_is_asked_for(
+        mxfp4_folder, monkeypatch, compiled):
+    """With checkpointing a micro-batch asks for each layer's gate_up then down in the forward, again in the
+    recomputation, then down and gate_up transposed for the input gradients: 6 requests a layer. The first micro-batch
+    shows the order (each chunk dequantized where it is asked for); in the second every chunk but the first was
+    dequantized ahead, while the one before it ran (DequantizePrefetch), and the gradients are the same bits."""
+    from peft import LoraConfig, get_peft_model
+
+    prefetch = mxfp4_experts.DequantizePrefetch()
+    monkeypatch.setattr(mxfp4_experts, "PREFETCH", prefetch)
+    model = get_peft_model(mxfp4_loading.load(str(mxfp4_folder), "cpu", torch.float32),
+                           LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=False,
+                                      target_parameters=list(expert_lora.EXPERT_WEIGHTS)))
+    assert expert_lora.install(model) == model.config.num_hidden_layers
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    if compiled:  # as a compiled run does: each checkpointed layer runs checkpoint(compiled(layer))
+        from torch._dynamo.utils import counters
+
+        from finetune.models.compilation import CompileInsideCheckpoints
+
+        torch._dynamo.reset()
+        CompileInsideCheckpoints("aot_eager", None).on_train_begin(None, None, None, model=model)
+    ids = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(5))
+    gradients = []
+    for _ in range(2):
+        model(input_ids=ids, labels=ids).loss.backward()
+        gradients.append({name: parameter.grad.clone() for name, parameter in model.named_parameters()
+                          if parameter.grad is not None})
+        model.zero_grad()
+    if compiled:
+        assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    requests = 6 * model.config.num_hidden_layers
+    assert (prefetch.misses, prefetch.hits) == (requests + 1, requests - 1)
+    assert any("experts" in name for name in gradients[0])
+    assert all(torch.equal(gradients[1][name], gradient) for name, gradient in gradients[0].items())

@@ -241,12 +241,13 @@ def test_a_local_model_folder_is_read_from_its_config_json(tmp_path):
 
 # ---- MXFP4 resident (dequantize_mxfp4: false) -------------------------------------------------------------------
 @pytest.mark.parametrize("name, experts", [("gpt-oss-120b", 128), ("gpt-oss-20b", 32)])
-def test_resident_mxfp4_experts_cost_4_25_bits_a_weight_and_one_chunk_of_dequantized_experts(name, experts):
+def test_resident_mxfp4_experts_cost_4_25_bits_a_weight_and_two_chunks_of_dequantized_experts(name, experts):
     """From the architecture (hidden 2880, expert width 2880, 36 or 24 layers): each expert's gate_up [2880, 5760]
     and down [2880, 2880] as FP4 (half a byte) + one E8M0 byte per 32 values; the rest, expert biases included, bf16.
     Dequantized at a time, where the experts get more than 256 routed rows each (4 a token): as many whole gate_up
-    experts as families.DEQUANTIZED_CHUNK_BYTES holds (32 of 33.2 MB in bf16: all of GPT-OSS-20B's), and, where that
-    is not all, their GEMM's output rows (32 of `experts` experts' share) before they join the others. At 256 rows an
+    experts as families.DEQUANTIZED_CHUNK_BYTES holds (32 of 33.2 MB in bf16: all of GPT-OSS-20B's) and the next
+    chunk, prefetched beside it, and, where that is not all, their GEMM's output rows (32 of `experts` experts' share)
+    before they join the others. At 256 rows an
     expert or fewer the fused kernel dequantizes nothing."""
     a = architecture.architecture_of(f"openai/{name}")
     assert a.mxfp4_experts and (a.hidden, a.intermediate, a.experts) == (2880, 2880, experts)
@@ -260,7 +261,11 @@ def test_resident_mxfp4_experts_cost_4_25_bits_a_weight_and_one_chunk_of_dequant
     assert memory.frozen_weight_bytes(a, resident) == values * 17 / 32 + (total - values) * 2
     assert memory.frozen_weight_bytes(a, dense) == total * 2
     assert families.dequantized_chunk_experts(2880 * 5760 * 2, experts) == 32
-    chunk = 32 * 2880 * 5760 * 2 + (resident.tokens * 4 * 32 / experts * 5760 * 2 if experts > 32 else 0)
+    gate_up_chunk = 32 * 2880 * 5760 * 2
+    if experts > 32:  # the next chunk prefetched beside it (down's: 64 experts, as large), the chunk's output rows
+        chunk = 2 * gate_up_chunk + resident.tokens * 4 * 32 / experts * 5760 * 2
+    else:  # the whole gate_up and the whole down prefetched beside it
+        chunk = gate_up_chunk + 32 * 2880 * 2880 * 2
     assert memory.mxfp4_dequantized_bytes(a, resident) == chunk
     assert memory.mxfp4_dequantized_bytes(a, dense) == 0
     estimate = memory.estimate(a, resident, "ddp", 1)

@@ -1,12 +1,13 @@
 """GPT-OSS experts kept in MXFP4 and computed from it: the frozen expert weights stay as the checkpoint stores them
 (`gate_up_proj_blocks`/`_scales`, `down_proj_blocks`/`_scales`, uint8) and are dequantized just before each grouped
-GEMM, a chunk of experts at a time, in the forward and again in the backward, never saved; or, on a GPU where the
-experts get few rows each, decoded inside the GEMM's tiles (finetune/models/mxfp4_grouped_gemm.py). FP4 values times a
-power of two are exact in bf16 and float32, so each GEMM sees the very weight that dequantizing at load gives.
+GEMM, a chunk of experts at a time, in the forward and again in the backward, never saved, the next chunk on a second
+stream while this one's GEMM runs; or, on a GPU where the experts get few rows each, decoded inside the GEMM's tiles
+(finetune/models/mxfp4_grouped_gemm.py). FP4 values times a power of two are exact in bf16 and float32, so each GEMM
+sees the very weight that dequantizing at load gives.
 
 The format (benchmarks/mxfp4_checkpoints.py writes and reads it independently): a weight held [experts, in, out] in
-memory is stored [experts, out, in / 32, 16]: 32 values along `in` share one E8M0 scale byte s (2**(s - 127)), two
-FP4 E2M1 values per byte, the even-indexed one in the low nibble.
+memory is stored [experts, out, in / 32, 16]: 32 values along `in` share one E8M0 scale byte s (2**(s - 127)), two FP4
+E2M1 values per byte, the even-indexed one in the low nibble.
 
 `make_resident` turns a loaded-or-meta GPT-OSS experts module into one holding blocks and scales; its
 `gate_up_proj`/`down_proj` become placeholders of the right shape, dtype and device that own one element (a
@@ -18,6 +19,7 @@ compiled graph can keep the dequantized weight for the backward.
 
 import functools
 import importlib
+import weakref
 
 import torch
 
@@ -102,7 +104,7 @@ def _chunked_grouped_mm(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Ten
     experts = blocks.shape[0]
     chunk = dequantized_chunk_experts(blocks[0].numel() * 2 * x.element_size(), experts)
     if chunk == experts:
-        weight = dequantize_on_device(blocks, scales, x.dtype)
+        weight = PREFETCH.weight(blocks, scales, 0, experts, x.dtype, transposed)
         return expert_lora.grouped_mm(x, weight.transpose(-2, -1) if transposed else weight, offsets)
     ends = offsets.tolist()  # where each chunk's rows begin and end: one read back per projection
     output = x.new_zeros(x.shape[0], in_features(blocks) if transposed else blocks.shape[1])
@@ -111,10 +113,89 @@ def _chunked_grouped_mm(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Ten
         start, stop = (ends[first - 1] if first else 0), ends[last - 1]
         if stop == start:
             continue
-        weight = dequantize_on_device(blocks[first:last], scales[first:last], x.dtype)
+        weight = PREFETCH.weight(blocks, scales, first, last, x.dtype, transposed)
         output[start:stop] = expert_lora.grouped_mm(x[start:stop], weight.transpose(-2, -1) if transposed else weight,
                                                     offsets[first:last] - start)
     return output
+
+
+class DequantizePrefetch:
+    """The next chunk of experts dequantized on a second CUDA stream while this chunk's grouped GEMM runs.
+
+    A training step asks for the same chunks in the same order every micro-batch: each layer's gate_up then down in
+    the forward; in the backward (with checkpointing) each layer's recomputation, gate_up then down, then its input
+    gradients, down then gate_up transposed. So each request remembers which request followed it last time, and has
+    that one's weight dequantized beside its own GEMM, which at many rows an expert is bound by arithmetic while the
+    dequantization (4.25 bits read, 16 written a weight) is bound by memory bandwidth. A request is its experts'
+    blocks, its first and last experts, the direction and whether autograd's backward is running (which tells the
+    recomputation from the forward, whose chunks come in the same order). A request that is not the one prefetched
+    (another order, the first of a run) is dequantized where it is asked and the prefetched weight is dropped, so at
+    most two chunks are dequantized at a time (the planner counts both). On a CPU the next chunk is dequantized
+    before it is asked for, in the same stream."""
+
+    def __init__(self):
+        self._followers: dict[tuple, tuple] = {}
+        self._last_request: tuple | None = None
+        self._pending: tuple | None = None
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self.hits = self.misses = 0
+
+    def weight(self, blocks: torch.Tensor, scales: torch.Tensor, first: int, last: int, dtype: torch.dtype,
+               transposed: bool) -> torch.Tensor:
+        """Experts first..last-1 of blocks and scales dequantized to `dtype`, [experts, in, out]."""
+        request = (id(blocks), first, last, transposed, torch._C._current_graph_task_id() != -1)
+        weight = self._take(blocks, scales, first, last, dtype)
+        if weight is None:
+            self.misses += 1
+            weight = dequantize_on_device(blocks[first:last], scales[first:last], dtype)
+        else:
+            self.hits += 1
+        if self._last_request is not None:
+            self._followers[self._last_request] = (weakref.ref(blocks), weakref.ref(scales), first, last)
+        self._last_request = request
+        self._start(self._followers.get(request), dtype)
+        return weight
+
+    def _take(self, blocks, scales, first, last, dtype) -> torch.Tensor | None:
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        pending_blocks, pending_scales, chunk, versions, weight, ready = pending
+        if not (pending_blocks is blocks and pending_scales is scales and chunk == (first, last, dtype)
+                and versions == (blocks._version, scales._version)):  # another request, or the weights rewritten
+            return None
+        if ready is not None:
+            stream = torch.cuda.current_stream(weight.device)
+            stream.wait_event(ready)
+            weight.record_stream(stream)  # its memory, the side stream's, is not reused before this stream is done
+        return weight
+
+    def _start(self, follower: tuple | None, dtype: torch.dtype) -> None:
+        blocks, scales = (follower[0](), follower[1]()) if follower else (None, None)
+        if blocks is None or scales is None:
+            return
+        first, last = follower[2:]
+        ready = None
+        if blocks.is_cuda:
+            side = self._side_stream(blocks.device)
+            with torch.cuda.stream(side):
+                weight = dequantize_on_device(blocks[first:last], scales[first:last], dtype)
+                ready = torch.cuda.Event()
+                ready.record(side)
+            blocks.record_stream(side)
+            scales.record_stream(side)
+        else:
+            weight = dequantize_on_device(blocks[first:last], scales[first:last], dtype)
+        self._pending = (blocks, scales, (first, last, dtype), (blocks._version, scales._version), weight, ready)
+
+    def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
+        if device not in self._streams:
+            # high priority: its few blocks go to the first free multiprocessors, done before the next GEMM needs them
+            self._streams[device] = torch.cuda.Stream(device, priority=-1)
+        return self._streams[device]
+
+
+PREFETCH = DequantizePrefetch()
 
 
 def _mxfp4_grouped_mm_fake(x, blocks, scales, offsets, transposed):

@@ -205,6 +205,8 @@ def mxfp4_dequantized_bytes(a: Architecture, s: Setup) -> float:
     - one chunk of experts dequantized: as many whole experts of the projection as the code takes together
       (families.dequantized_chunk_experts, which both call) (120B: 32 experts of gate_up, 2880 x 5760, or
       64 of down, 0.99 GiB in bf16 either way, where the whole projection is 3.96 GiB);
+    - beside it the next chunk, dequantized on a second stream during this one's GEMM (DequantizePrefetch): another
+      chunk of the same projection where it takes more than one, else the other projection's;
     - when the projection takes more than one chunk, the chunk's GEMM output before it is copied into the projection's
       output: its experts' share of the routed rows (tokens x experts_per_token x chunk / experts, routing counted
       even) times the wider of the projection's widths (forward: out, backward: in).
@@ -213,16 +215,17 @@ def mxfp4_dequantized_bytes(a: Architecture, s: Setup) -> float:
     if not mxfp4_resident(a, s) or fused_gemm_takes(s.tokens * a.experts_per_token, a.experts):
         return 0.0
     dtype_bytes = BYTES.get(s.dtype, 4)
-    largest = 0.0
+    chunks, outputs = [], []
     for in_features, out_features in FAMILIES[a.family].expert_weights(a).values():
         expert_bytes = in_features * out_features * dtype_bytes
         chunk = dequantized_chunk_experts(expert_bytes, a.experts)
-        chunk_output = 0.0
+        chunks.append(chunk * expert_bytes)
         if chunk < a.experts:
             rows = s.tokens * a.experts_per_token * chunk / a.experts
-            chunk_output = rows * max(in_features, out_features) * dtype_bytes
-        largest = max(largest, chunk * expert_bytes + chunk_output)
-    return largest
+            outputs.append(rows * max(in_features, out_features) * dtype_bytes)
+    largest, *others = sorted(chunks, reverse=True)
+    beside = largest if outputs or not others else others[0]
+    return largest + beside + max(outputs, default=0.0)
 
 
 def router_logits_bytes(a: Architecture, s: Setup) -> float:
