@@ -146,6 +146,29 @@ def test_a_run_too_short_to_repay_the_compile_runs_eager_and_says_why(monkeypatc
     assert forced.training.torch_compile and capsys.readouterr().out == ""
 
 
+def test_gpt_oss_120b_repays_its_compile_in_fewer_steps_than_20b_by_its_own_measured_speeds(monkeypatch, tmp_path,
+                                                                                           capsys):
+    """GPT-OSS-120B's entry (36 layers: 67.4 s of compiling, 4.5k tok/s eager against 6.9k compiled) saves 2.59 s a
+    step of 32,768 tokens: 40 steps pay for it, where GPT-OSS-20B's figures (0.76 s a step against 42.6 s) would
+    have run them eager; 20 steps do not."""
+    from finetune.models import compilation
+
+    monkeypatch.setenv("FINETUNE_COMPILE_CACHE", str(tmp_path / "empty-cache"))
+    forty = _gpu_run("gpt-oss-120b/lora.yaml", "--max_steps", "40", "--max_length", "2048")
+    compilation.compile_only_if_it_pays(forty, "openai/gpt-oss-120b", rows=100_000)
+    assert forty.training.torch_compile
+    twenty = _gpu_run("gpt-oss-120b/lora.yaml", "--max_steps", "20", "--max_length", "2048")
+    capsys.readouterr()
+    compilation.compile_only_if_it_pays(twenty, "openai/gpt-oss-120b", rows=100_000)
+    assert not twenty.training.torch_compile
+    assert "in 20 steps (each of up to 32,768 tokens saves about 2.59 s, against ~67 s of compiling" in \
+        capsys.readouterr().out
+    twenty_b = _gpu_run("gpt-oss-20b/lora.yaml", "--max_steps", "40", "--max_length", "2048",
+                        "--gradient_checkpointing", "true")
+    compilation.compile_only_if_it_pays(twenty_b, "openai/gpt-oss-20b", rows=100_000)
+    assert not twenty_b.training.torch_compile
+
+
 def test_a_short_run_compiles_where_this_machine_compiled_the_recipe_before(monkeypatch, tmp_path):
     from finetune.models import compilation
 

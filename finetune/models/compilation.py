@@ -30,7 +30,7 @@ from transformers import TrainerCallback
 from finetune import patches
 from finetune.compile_cache import compile_cache, keep_compile_caches
 from finetune.errors import say
-from finetune.families import family_of
+from finetune.families import family_of, load_architecture
 from finetune.json_files import read_object
 
 DYNAMO_BACKEND_ENV = "ACCELERATE_DYNAMO_BACKEND"
@@ -68,19 +68,23 @@ class CompileCost:
     measured: str
 
 
-# Measured (docs/benchmarks.md), by family, method and checkpointing: the compiled recipes only. GPT-OSS-120B takes
-# GPT-OSS-20B's figures until its compiled speed is measured: they credit a step with less than the 120B gains, so a
-# 120B run between ~15 and ~60 steps runs eager where compiling would have paid.
+# Measured (docs/benchmarks.md), by family, method, checkpointing and layers (None: any depth of the family without
+# an entry of its own): the compiled recipes only.
 COMPILE_COSTS = {
-    ("llama", "LoRA", False): CompileCost(10.7, 19_501, 25_991, "Llama-3.2-3B LoRA: 10.7 s from training's start "
-                                          "to the first step with empty caches on one H100 (2026-12-06), 19.5k real "
-                                          "tok/s eager and 26.0k compiled on chat rows (H200, 2026-12-02)"),
-    ("gpt-oss", "LoRA", True): CompileCost(42.6, 7_029, 8_399, "GPT-OSS-20B LoRA with checkpointing: 42.6 s from "
-                                           "training's start to the first step with empty caches on one H100 "
-                                           "(2026-12-06), 7.0k tok/s eager and 8.4k compiled (H200, 2026-12-03)"),
-    ("gpt-oss", "LoRA", False): CompileCost(43.0, 12_681, 23_737, "GPT-OSS-20B LoRA: 43.0 s from training's start "
-                                            "to the first step with empty caches on one H100 (2026-12-06), 12.7k "
-                                            "tok/s eager and 23.7k compiled (H200, 2026-12-02)"),
+    ("llama", "LoRA", False, None): CompileCost(10.7, 19_501, 25_991, "Llama-3.2-3B LoRA: 10.7 s from training's "
+                                                "start to the first step with empty caches on one H100 (2026-12-06), "
+                                                "19.5k real tok/s eager and 26.0k compiled on chat rows (H200, "
+                                                "2026-12-02)"),
+    ("gpt-oss", "LoRA", True, None): CompileCost(42.6, 7_029, 8_399, "GPT-OSS-20B LoRA with checkpointing: 42.6 s "
+                                                 "from training's start to the first step with empty caches on one "
+                                                 "H100 (2026-12-06), 7.0k tok/s eager and 8.4k compiled (H200, "
+                                                 "2026-12-03)"),
+    ("gpt-oss", "LoRA", False, None): CompileCost(43.0, 12_681, 23_737, "GPT-OSS-20B LoRA: 43.0 s from training's "
+                                                  "start to the first step with empty caches on one H100 (2026-12-06), "
+                                                  "12.7k tok/s eager and 23.7k compiled (H200, 2026-12-02)"),
+    ("gpt-oss", "LoRA", True, 36): CompileCost(67.4, 4_455, 6_877, "GPT-OSS-120B LoRA as its recipe ships: 67.4 s "
+                                               "from training's start to the first step with empty caches, 4.5k real "
+                                               "tok/s eager and 6.9k compiled on chat rows (one H100, 2026-12-06)"),
 }
 
 
@@ -94,7 +98,7 @@ def compile_only_if_it_pays(run, model_path: str, rows: int) -> None:
     if not training.torch_compile or "torch_compile" in run.flags or run.finetune.fp8:
         return
     family, method = family_of(model_path).name, "LoRA" if run.model.use_peft else "full"
-    cost = COMPILE_COSTS.get((family, method, bool(training.gradient_checkpointing)))
+    cost = _compile_cost(family, method, bool(training.gradient_checkpointing), model_path)
     if cost is None or _compiled_here_before(family, method, training.gradient_checkpointing):
         return
     tokens_per_step = training.per_device_train_batch_size * training.gradient_accumulation_steps * \
@@ -109,6 +113,19 @@ def compile_only_if_it_pays(run, model_path: str, rows: int) -> None:
     say(f"running eager: compiling would not pay for itself in {steps} steps (each of up to {tokens_per_step:,} "
         f"tokens saves about {saved_per_step:.2f} s, against ~{cost.compile_seconds:.0f} s of compiling on a machine "
         f"that has not compiled it before; {cost.measured}); `--torch_compile true` compiles anyway.")
+
+
+def _compile_cost(family: str, method: str, checkpointing: bool, model_path: str) -> CompileCost | None:
+    """The entry for the model's depth where its family has one (its config read only then), else the family's."""
+    depths = {key[3] for key in COMPILE_COSTS if key[:3] == (family, method, checkpointing)} - {None}
+    if depths:
+        try:
+            layers = load_architecture(model_path).num_hidden_layers
+        except (OSError, ValueError):  # no config.json to read offline: the family's figures
+            layers = None
+        if layers in depths:
+            return COMPILE_COSTS[(family, method, checkpointing, layers)]
+    return COMPILE_COSTS.get((family, method, checkpointing, None))
 
 
 def _compiled_here_before(family: str, method: str, checkpointing: bool) -> bool:
