@@ -22,9 +22,10 @@ time of dequantizing each whole projection, the share of the chunked path that t
 also in $OUT/mxfp4_fused_gemm.json.
 
 With --prefetch, --layers layers of resident experts with LoRA, forward through all then backward (the order a
-micro-batch asks for their chunks), each chunk dequantized where it is asked for against the next one dequantized on
-a second stream during this one's GEMM (`mxfp4_experts.DequantizePrefetch`), and the same layers dense in bf16:
-milliseconds of each, max abs difference of the output and gradients with and without the prefetch (0 expected). One
+micro-batch asks for their chunks), without and with checkpointing: each chunk dequantized where it is asked for
+against the next one dequantized on a second stream during this one's GEMM and the recomputation's weights kept for
+the input gradients (`mxfp4_experts.DequantizePrefetch`), and the same layers dense in bf16: milliseconds of each,
+max abs difference of the output and gradients with and without (0 expected). One
 JSON line, also in $OUT/mxfp4_prefetch.json.
 """
 
@@ -192,10 +193,11 @@ def layer_check(config, tokens, generator, variants):
 
 
 class DequantizedWhereAsked(mxfp4_experts.DequantizePrefetch):
-    """Every chunk dequantized when its GEMM asks for it, as before the prefetch."""
+    """Every chunk dequantized when its GEMM asks for it, as before the prefetch: nothing ahead, nothing kept."""
 
-    def _start(self, follower, dtype):
-        return None
+    def weight(self, blocks, scales, first, last, dtype, transposed):
+        self.misses += 1
+        return mxfp4_experts.dequantize_on_device(blocks[first:last], scales[first:last], dtype)
 
 
 def prefetch_check(config, tokens, layers, generator):
@@ -212,29 +214,37 @@ def prefetch_check(config, tokens, layers, generator):
                  + (2.0,) for name, (inputs, outputs) in shapes.items()} for _ in range(layers)]
     leaves = [factor for layer in adapters for lora_in, lora_out, _ in layer.values() for factor in (lora_in, lora_out)]
 
-    def through_all(which: int):
+    def through_all(which: int, checkpointed: bool):
         inputs = hidden_states.clone().requires_grad_()
         output = inputs
         for pair, layer_adapters in zip(pairs, adapters, strict=True):
-            output = expert_lora.experts_forward(pair[which], output, indices, routing, layer_adapters)
+            layer = functools.partial(expert_lora.experts_forward, pair[which])
+            output = torch.utils.checkpoint.checkpoint(layer, output, indices, routing, layer_adapters,
+                                                       use_reentrant=False) if checkpointed else \
+                layer(output, indices, routing, layer_adapters)
         return [output.detach(), *torch.autograd.grad(output.float().square().mean(), [inputs, *leaves])]
 
-    result, runs = {"layers": layers, "tokens": tokens}, {}
+    result = {"layers": layers, "tokens": tokens}
     original = mxfp4_experts.PREFETCH
-    for label, which, prefetch in (("dense", 0, original), ("resident, dequantized where asked", 1,
-                                                            DequantizedWhereAsked()),
-                                   ("resident, next chunk prefetched", 1, mxfp4_experts.DequantizePrefetch())):
-        mxfp4_experts.PREFETCH = prefetch
-        base = reset_peak()
-        milliseconds = timed(functools.partial(through_all, which))
-        runs[label] = through_all(which)  # with the prefetch: every chunk of this pass was dequantized ahead
-        result[label] = {"fwd_bwd_ms": round(milliseconds, 2), "peak_above_weights_GiB": round(peak_since(base), 3),
-                         "hits": prefetch.hits, "misses": prefetch.misses}
-    mxfp4_experts.PREFETCH = original
-    pairs_of_runs = zip(runs["resident, dequantized where asked"], runs["resident, next chunk prefetched"], strict=True)
-    result["max_abs_diff_prefetched"] = max((a.float() - b.float()).abs().max().item() for a, b in pairs_of_runs)
-    for label in ("resident, dequantized where asked", "resident, next chunk prefetched"):
-        result[f"{label} over dense time"] = round(result[label]["fwd_bwd_ms"] / result["dense"]["fwd_bwd_ms"], 3)
+    for checkpointed in (False, True):
+        runs, timings = {}, {}
+        for label, which, prefetch in (("dense", 0, original),
+                                       ("resident, dequantized where asked", 1, DequantizedWhereAsked()),
+                                       ("resident, prefetched and kept", 1, mxfp4_experts.DequantizePrefetch())):
+            mxfp4_experts.PREFETCH = prefetch
+            base = reset_peak()
+            milliseconds = timed(functools.partial(through_all, which, checkpointed))
+            runs[label] = through_all(which, checkpointed)  # the prefetch's pass: every chunk dequantized ahead
+            timings[label] = {"fwd_bwd_ms": round(milliseconds, 2), "peak_above_weights_GiB": round(peak_since(base), 3),
+                              "hits": prefetch.hits, "reused": prefetch.reused, "misses": prefetch.misses}
+        mxfp4_experts.PREFETCH = original
+        pairs_of_runs = zip(runs["resident, dequantized where asked"], runs["resident, prefetched and kept"],
+                            strict=True)
+        timings["max_abs_diff_prefetched"] = max((a.float() - b.float()).abs().max().item() for a, b in pairs_of_runs)
+        for label in ("resident, dequantized where asked", "resident, prefetched and kept"):
+            timings[f"{label} over dense time"] = round(timings[label]["fwd_bwd_ms"] / timings["dense"]["fwd_bwd_ms"],
+                                                        3)
+        result["checkpointing" if checkpointed else "no checkpointing"] = timings
     return result
 
 

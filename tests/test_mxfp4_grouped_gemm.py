@@ -105,6 +105,31 @@ def test_benchmark_times_the_fused_gemm_against_the_chunked_path(interpreted_gem
             assert case["max_abs_diff"] <= case["max_abs_reference"] * 2**-7  # one bf16 ulp of the largest output
 
 
+def test_benchmark_times_the_prefetched_dequantization_against_dequantizing_where_asked(interpreted_gemm, tmp_path,
+                                                                                        monkeypatch):
+    """benchmarks/mxfp4_resident_check.py --prefetch on the tiny GPT-OSS: its code, not its timings. Over the warm-up,
+    5 timed passes and the compared one, 4 requests a layer a pass (6 with checkpointing, 2 of them reused): the first
+    pass and the next one's first request dequantized where asked, the rest ahead; the same bits either way."""
+    from benchmarks import mxfp4_checkpoints, mxfp4_resident_check
+
+    folder = mxfp4_checkpoints.tiny_checkpoint()
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.setattr(sys, "argv", ["mxfp4_resident_check.py", "--prefetch", "--architecture", str(folder),
+                                      "--tokens", "24", "--layers", "3"])
+    mxfp4_resident_check.main()
+    result = json.loads((tmp_path / "mxfp4_prefetch.json").read_text())
+    for case, asked, reused in (("no checkpointing", 4, 0), ("checkpointing", 4, 2)):
+        timings = result[case]
+        passes, layers = 7, 3
+        before = timings["resident, dequantized where asked"]
+        after = timings["resident, prefetched and kept"]
+        assert before["misses"] == passes * layers * (asked + reused) and before["hits"] == before["reused"] == 0
+        assert (after["misses"], after["hits"], after["reused"]) == (
+            layers * asked + 1, (passes - 1) * layers * asked - 1, passes * layers * reused)
+        assert timings["max_abs_diff_prefetched"] == 0.0 and all(
+            timings[label]["fwd_bwd_ms"] > 0 for label in ("dense", "resident, dequantized where asked"))
+
+
 def test_training_takes_the_fused_gemm_where_the_experts_get_at_most_256_rows_each(interpreted_gemm, monkeypatch):
     """The operator GroupedLoraMatmul calls for resident experts, forward and input gradient: the fused kernel up to
     families.FUSED_GEMM_MAX_ROWS_PER_EXPERT rows an expert on average, the chunked path above (Triton's interpreter stands in

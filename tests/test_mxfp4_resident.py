@@ -417,13 +417,16 @@ def test_resident_experts_loaded_on_a_gpu_without_triton_say_so_with_the_fix(mon
     assert capsys.readouterr().out == ""
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "layers compiled"])
+@pytest.mark.parametrize("compiled, checkpointing", [(False, True), (True, True), (False, False)],
+                         ids=["eager", "layers compiled", "no checkpointing"])
 def test_once_a_micro_batch_has_shown_the_order_each_chunk_of_experts_is_dequantized_before_it_is_asked_for(
-        mxfp4_folder, monkeypatch, compiled):
+        mxfp4_folder, monkeypatch, compiled, checkpointing):
     """With checkpointing a micro-batch asks for each layer's gate_up then down in the forward, again in the
-    recomputation, then down and gate_up transposed for the input gradients: 6 requests a layer. The first micro-batch
-    shows the order (each chunk dequantized where it is asked for); in the second every chunk but the first was
-    dequantized ahead, while the one before it ran (DequantizePrefetch), and the gradients are the same bits."""
+    recomputation, then down and gate_up transposed for the input gradients: 6 requests a layer, of which the last two
+    reuse the recomputation's weights (whole projections: the tiny model's experts fit one chunk). The first
+    micro-batch shows the order (each chunk dequantized where it is asked for); in the second every chunk but the first
+    was dequantized ahead, while the one before it ran (DequantizePrefetch), and the gradients are the same bits.
+    Without checkpointing, 4 requests a layer, none reused (nothing kept between the forward and the backward)."""
     from peft import LoraConfig, get_peft_model
 
     prefetch = mxfp4_experts.DequantizePrefetch()
@@ -432,7 +435,8 @@ def test_once_a_micro_batch_has_shown_the_order_each_chunk_of_experts_is_dequant
                            LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=False,
                                       target_parameters=list(expert_lora.EXPERT_WEIGHTS)))
     assert expert_lora.install(model) == model.config.num_hidden_layers
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     if compiled:  # as a compiled run does: each checkpointed layer runs checkpoint(compiled(layer))
         from torch._dynamo.utils import counters
@@ -450,7 +454,8 @@ def test_once_a_micro_batch_has_shown_the_order_each_chunk_of_experts_is_dequant
         model.zero_grad()
     if compiled:
         assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
-    requests = 6 * model.config.num_hidden_layers
-    assert (prefetch.misses, prefetch.hits) == (requests + 1, requests - 1)
+    dequantized = 4 * model.config.num_hidden_layers  # a micro-batch's forward and recomputation, or backward
+    reused = dequantized if checkpointing else 0
+    assert (prefetch.misses, prefetch.hits, prefetch.reused) == (dequantized + 1, dequantized - 1, reused)
     assert any("experts" in name for name in gradients[0])
     assert all(torch.equal(gradients[1][name], gradient) for name, gradient in gradients[0].items())

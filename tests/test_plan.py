@@ -247,7 +247,8 @@ def test_resident_mxfp4_experts_cost_4_25_bits_a_weight_and_two_chunks_of_dequan
     Dequantized at a time, where the experts get more than 256 routed rows each (4 a token): as many whole gate_up
     experts as families.DEQUANTIZED_CHUNK_BYTES holds (32 of 33.2 MB in bf16: all of GPT-OSS-20B's) and the next
     chunk, prefetched beside it, and, where that is not all, their GEMM's output rows (32 of `experts` experts' share)
-    before they join the others. At 256 rows an
+    before they join the others. With checkpointing and whole projections (GPT-OSS-20B), a layer's gate_up kept from
+    its recomputation beside the next one's. At 256 rows an
     expert or fewer the fused kernel dequantizes nothing."""
     a = architecture.architecture_of(f"openai/{name}")
     assert a.mxfp4_experts and (a.hidden, a.intermediate, a.experts) == (2880, 2880, experts)
@@ -267,6 +268,8 @@ def test_resident_mxfp4_experts_cost_4_25_bits_a_weight_and_two_chunks_of_dequan
     else:  # the whole gate_up and the whole down prefetched beside it
         chunk = gate_up_chunk + 32 * 2880 * 2880 * 2
     assert memory.mxfp4_dequantized_bytes(a, resident) == chunk
+    kept = 2 * gate_up_chunk + (resident.tokens * 4 * 32 / experts * 5760 * 2 if experts > 32 else 0)
+    assert memory.mxfp4_dequantized_bytes(a, replace(resident, gradient_checkpointing=True)) == kept
     assert memory.mxfp4_dequantized_bytes(a, dense) == 0
     estimate = memory.estimate(a, resident, "ddp", 1)
     assert estimate.parts["mxfp4_dequantized"] == chunk and estimate.supported

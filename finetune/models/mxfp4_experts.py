@@ -120,7 +120,8 @@ def _chunked_grouped_mm(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Ten
 
 
 class DequantizePrefetch:
-    """The next chunk of experts dequantized on a second CUDA stream while this chunk's grouped GEMM runs.
+    """The next chunk of experts dequantized on a second CUDA stream while this chunk's grouped GEMM runs, and with
+    checkpointing, a layer's whole projections dequantized for its recomputation kept for its input gradients.
 
     A training step asks for the same chunks in the same order every micro-batch: each layer's gate_up then down in
     the forward; in the backward (with checkpointing) each layer's recomputation, gate_up then down, then its input
@@ -129,52 +130,52 @@ class DequantizePrefetch:
     dequantization (4.25 bits read, 16 written a weight) is bound by memory bandwidth. A request is its experts'
     blocks, its first and last experts, the direction and whether autograd's backward is running (which tells the
     recomputation from the forward, whose chunks come in the same order). A request that is not the one prefetched
-    (another order, the first of a run) is dequantized where it is asked and the prefetched weight is dropped, so at
-    most two chunks are dequantized at a time (the planner counts both). On a CPU the next chunk is dequantized
-    before it is asked for, in the same stream."""
+    (another order, the first of a run) is dequantized where it is asked and the prefetched weight is dropped. A
+    recomputation's whole projection (all its experts in one chunk) is kept until its transposed product asks for it,
+    a few GEMMs later: two passes over the weights a micro-batch instead of three. At most two chunks are
+    dequantized at a time, or, with checkpointing and whole projections, one layer's two and the next one's (the
+    planner counts them). On a CPU the next chunk is dequantized before it is asked for, in the same stream."""
 
     def __init__(self):
         self._followers: dict[tuple, tuple] = {}
         self._last_request: tuple | None = None
-        self._pending: tuple | None = None
+        self._pending: _Dequantized | None = None
+        self._kept: dict[tuple, _Dequantized] = {}
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
-        self.hits = self.misses = 0
+        self.hits = self.reused = self.misses = 0
 
     def weight(self, blocks: torch.Tensor, scales: torch.Tensor, first: int, last: int, dtype: torch.dtype,
                transposed: bool) -> torch.Tensor:
         """Experts first..last-1 of blocks and scales dequantized to `dtype`, [experts, in, out]."""
-        request = (id(blocks), first, last, transposed, torch._C._current_graph_task_id() != -1)
-        weight = self._take(blocks, scales, first, last, dtype)
-        if weight is None:
+        in_backward = torch._C._current_graph_task_id() != -1
+        request = (id(blocks), first, last, transposed, in_backward)
+        pending, self._pending = self._pending, None
+        kept = self._kept.pop((id(blocks), first, last), None) if transposed and in_backward else None
+        if not in_backward:
+            self._kept.clear()  # a forward: what an abandoned backward kept is never asked for
+        if (weight := _ready(kept, blocks, scales, first, last, dtype)) is not None:
+            self.reused += 1
+        elif (weight := _ready(pending, blocks, scales, first, last, dtype)) is not None:
+            self.hits += 1
+        else:
             self.misses += 1
             weight = dequantize_on_device(blocks[first:last], scales[first:last], dtype)
-        else:
-            self.hits += 1
+        if in_backward and not transposed and last - first == blocks.shape[0]:
+            self._kept[(id(blocks), first, last)] = _Dequantized(blocks, scales, first, last, dtype, weight, None)
         if self._last_request is not None:
-            self._followers[self._last_request] = (weakref.ref(blocks), weakref.ref(scales), first, last)
+            self._followers[self._last_request] = (weakref.ref(blocks), weakref.ref(scales), first, last, transposed,
+                                                   in_backward)
         self._last_request = request
         self._start(self._followers.get(request), dtype)
-        return weight
-
-    def _take(self, blocks, scales, first, last, dtype) -> torch.Tensor | None:
-        pending, self._pending = self._pending, None
-        if pending is None:
-            return None
-        pending_blocks, pending_scales, chunk, versions, weight, ready = pending
-        if not (pending_blocks is blocks and pending_scales is scales and chunk == (first, last, dtype)
-                and versions == (blocks._version, scales._version)):  # another request, or the weights rewritten
-            return None
-        if ready is not None:
-            stream = torch.cuda.current_stream(weight.device)
-            stream.wait_event(ready)
-            weight.record_stream(stream)  # its memory, the side stream's, is not reused before this stream is done
         return weight
 
     def _start(self, follower: tuple | None, dtype: torch.dtype) -> None:
         blocks, scales = (follower[0](), follower[1]()) if follower else (None, None)
         if blocks is None or scales is None:
             return
-        first, last = follower[2:]
+        first, last, transposed, in_backward = follower[2:]
+        if transposed and in_backward and (id(blocks), first, last) in self._kept:
+            return
         ready = None
         if blocks.is_cuda:
             side = self._side_stream(blocks.device)
@@ -186,13 +187,38 @@ class DequantizePrefetch:
             scales.record_stream(side)
         else:
             weight = dequantize_on_device(blocks[first:last], scales[first:last], dtype)
-        self._pending = (blocks, scales, (first, last, dtype), (blocks._version, scales._version), weight, ready)
+        self._pending = _Dequantized(blocks, scales, first, last, dtype, weight, ready)
 
     def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
         if device not in self._streams:
             # high priority: its few blocks go to the first free multiprocessors, done before the next GEMM needs them
             self._streams[device] = torch.cuda.Stream(device, priority=-1)
         return self._streams[device]
+
+
+class _Dequantized:
+    """A chunk's dequantized weight, what it was dequantized from (held: its memory cannot be reused meanwhile) and,
+    when a second stream dequantized it, the event that says it is done."""
+
+    def __init__(self, blocks, scales, first, last, dtype, weight, ready):
+        self.source = (blocks, scales, first, last, dtype)
+        self.versions = (blocks._version, scales._version)
+        self.weight, self.ready = weight, ready
+
+
+def _ready(held: _Dequantized | None, blocks, scales, first, last, dtype) -> torch.Tensor | None:
+    """The held weight where it is this chunk's, from these very tensors unchanged since, for use on this stream."""
+    if held is None:
+        return None
+    source_blocks, source_scales, *chunk = held.source
+    if not (source_blocks is blocks and source_scales is scales and chunk == [first, last, dtype]
+            and held.versions == (blocks._version, scales._version)):
+        return None
+    if held.ready is not None:
+        stream = torch.cuda.current_stream(held.weight.device)
+        stream.wait_event(held.ready)
+        held.weight.record_stream(stream)  # its memory, the side stream's, is not reused before this stream is done
+    return held.weight
 
 
 PREFETCH = DequantizePrefetch()
