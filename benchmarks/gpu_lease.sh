@@ -5,7 +5,8 @@
 # SIGTERM, Unsloth's Llama), 2 (GPT-OSS-20B with and without checkpointing, Unsloth's GPT-OSS), 3 (GPT-OSS-120B
 # resident on one GPU, compiled as shipped, then eager), 4 (GPT-OSS-20B resident against dequantized), 5 (resident
 # with checkpointing, Unsloth's GPT-OSS), 9 (GPT-OSS-120B at r16 with fp32 AdamW, for one H200) or 10 (GPT-OSS-20B resident
-# with and without checkpointing, then dequantized without); each fits one call.
+# with and without checkpointing, then dequantized without) or 11 (GPT-OSS-20B resident against dequantized with
+# checkpointing, then the prefetched dequantization against dequantizing where asked); each fits one call.
 # Run from the project's root with `carry` [".whl", ".uw", ".peers"] (../shared/gpu/README.md: the project's wheels in
 # .whl, Unsloth's in .uw, unsloth_peer.py in .peers). The results and logs go to $OUT/up.
 #   bash benchmarks/gpu_lease.sh 1
@@ -13,7 +14,7 @@ set -euo pipefail
 # this session's GPU processes left by an earlier call would skew the memory and the speed
 for pid in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null); do kill -9 "$pid" 2>/dev/null || true; done
 df -h /dev/shm . | sed 's/^/[lease] /'; free -g | sed 's/^/[lease] /' 
-part=${1:?usage: gpu_lease.sh 1|2|3|4|5|6|7|8|9|10}
+part=${1:?usage: gpu_lease.sh 1|2|3|4|5|6|7|8|9|10|11}
 # bytecode compiled as a user's `pip install` leaves it: a first import that compiles it is a wait no user has.
 # Once per machine: a later call of the same lease finds them installed.
 wheels=$(ls -l .whl .uw | md5sum | cut -c1-32)
@@ -38,10 +39,15 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 HF_
 out="${OUT:-runs/up/results}/up"
 python3 benchmarks/user_path.py --all --part "$part" --flags "${FLAGS:-}" --work runs/up --out "$out" --budget "${BUDGET:-520}"
 set +e  # diagnostics only: none of them may cost the rows above
-# part 7 leaves time for the fused MXFP4 grouped GEMM against the chunked path (issue 42: training takes it where it won)
+# part 7 leaves time for the fused MXFP4 grouped GEMM against the chunked path (issue 42: training takes it where it won),
+# part 11 for the prefetched dequantization against dequantizing where asked (issue 42: the 0.95x row)
 if [ "$part" = 7 ]; then
   OUT="$out" timeout 170 python3 benchmarks/mxfp4_resident_check.py --fused_gemm > "$out/mxfp4_fused_gemm.log" 2>&1
   tail -40 "$out/mxfp4_fused_gemm.log"
+fi
+if [ "$part" = 11 ]; then
+  OUT="$out" timeout 120 python3 benchmarks/mxfp4_resident_check.py --prefetch > "$out/mxfp4_prefetch.log" 2>&1
+  tail -5 "$out/mxfp4_prefetch.log"
 fi
 # What the compiled graphs hold besides GPU kernels (a C++ kernel for the CPU costs a compiler run cold and inductor's
 # CPU probe warm), and what the training process imports, in the order and time it imports it

@@ -410,6 +410,8 @@ PARTS = {
     9: [("run", "gptoss120b_lora_r16")],
     # GPT-OSS-20B resident against dequantized, with and without checkpointing, in one call (issue 42's 0.95x row)
     10: [("run", "gptoss20b_resident_ckpt"), ("run", "gptoss20b_resident"), ("run", "gptoss20b_lora")],
+    # GPT-OSS-20B resident against dequantized with checkpointing, one call (then the prefetch's own benchmark)
+    11: [("run", "gptoss20b_resident_ckpt"), ("run", "gptoss20b_lora_ckpt")],
 }
 LEAST_SECONDS = 60  # no task starts with less of the budget left
 
