@@ -4,9 +4,10 @@
 # checkpointing and its experts resident, cold and warm, Unsloth's GPT-OSS), 1 (the Llama recipes, a second launch,
 # SIGTERM, Unsloth's Llama), 2 (GPT-OSS-20B with and without checkpointing, Unsloth's GPT-OSS), 3 (GPT-OSS-120B
 # resident on one GPU, compiled as shipped, then eager), 4 (GPT-OSS-20B resident against dequantized), 5 (resident
-# with checkpointing, Unsloth's GPT-OSS), 9 (GPT-OSS-120B at r16 with fp32 AdamW, for one H200) or 10 (GPT-OSS-20B resident
-# with and without checkpointing, then dequantized without) or 11 (GPT-OSS-20B resident against dequantized with
-# checkpointing, then the prefetched dequantization against dequantizing where asked); each fits one call.
+# with checkpointing, Unsloth's GPT-OSS), 9 (GPT-OSS-120B at r16 with fp32 AdamW, 4 then 8 rows a micro-batch, for
+# one H200), 10 (GPT-OSS-20B resident with and without checkpointing, then dequantized without) or 11 (GPT-OSS-20B
+# resident against dequantized with checkpointing, then the prefetched dequantization against dequantizing where
+# asked); each fits one call.
 # Run from the project's root with `carry` [".whl", ".uw", ".peers"] (../shared/gpu/README.md: the project's wheels in
 # .whl, Unsloth's in .uw, unsloth_peer.py in .peers). The results and logs go to $OUT/up.
 #   bash benchmarks/gpu_lease.sh 1

@@ -59,10 +59,15 @@ CASES = {  # name: recipe, model folder, extra flags
     # the recipe header's variant for one 141 GB GPU (H200)
     "gptoss120b_lora_r16": ("gpt-oss-120b/lora.yaml", "gpt-oss-120b",
                             [*COMPILED, "--lora_r", "16", "--lora_alpha", "32", "--optim", "adamw_torch_fused"]),
+    # the same with twice the rows a micro-batch (512 rows an expert: the chunked path; planned 91.1 GiB)
+    "gptoss120b_lora_r16_b8": ("gpt-oss-120b/lora.yaml", "gpt-oss-120b",
+                               [*COMPILED, "--lora_r", "16", "--lora_alpha", "32", "--optim", "adamw_torch_fused",
+                                "--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "2"]),
 }
 # An optimizer step of the 120B recipe is 16 rows of 2,048 tokens: 8 steps give 3 after the warm-up ones. GPT-OSS-20B's
 # steps take ~3 s: 12 give 7 after the warm-up ones and leave a device call room for a cold and a warm launch.
-STEPS_OF_CASE = {**{name: 8 for name in ("gptoss120b_lora", "gptoss120b_lora_eager", "gptoss120b_lora_r16")},
+STEPS_OF_CASE = {**{name: 8 for name in ("gptoss120b_lora", "gptoss120b_lora_eager", "gptoss120b_lora_r16",
+                                         "gptoss120b_lora_r16_b8")},
                  **{name: 12 for name in ("gptoss20b_lora_ckpt", "gptoss20b_resident_ckpt")}}
 # The GPU machine's disk (64 GiB) cannot hold GPT-OSS-120B's 61 GiB folder: it is written to memory (a tmpfs)
 BIG_MODELS = Path(os.environ.get("USER_PATH_BIG_MODELS", "/dev/shm/finetune-up"))
@@ -407,7 +412,7 @@ PARTS = {
     7: [("run", "gptoss20b_lora_ckpt"), ("second", "gptoss20b_lora_ckpt")],
     8: [("run", "gptoss20b_resident_ckpt"), ("second", "gptoss20b_resident_ckpt"), ("unsloth", "gpt-oss")],
     # GPT-OSS-120B at r16 with fp32 AdamW: on one H200 (kind nvidia-h200)
-    9: [("run", "gptoss120b_lora_r16")],
+    9: [("run", "gptoss120b_lora_r16"), ("run", "gptoss120b_lora_r16_b8")],
     # GPT-OSS-20B resident against dequantized, with and without checkpointing, in one call (issue 42's 0.95x row)
     10: [("run", "gptoss20b_resident_ckpt"), ("run", "gptoss20b_resident"), ("run", "gptoss20b_lora")],
     # GPT-OSS-20B resident against dequantized with checkpointing, one call (then the prefetch's own benchmark)
