@@ -119,6 +119,31 @@ def test_a_projection_dequantized_a_chunk_of_experts_at_a_time_gives_the_whole_p
     assert torch.equal(bits(chunked), bits(whole))
 
 
+def test_a_projection_in_chunks_holds_at_most_two_dequantized_chunks_with_the_next_one_prefetched(monkeypatch):
+    """The second time a projection is asked for, each chunk was dequantized while the one before it was used:
+    that one and the next, never the one before as well (the planner counts two)."""
+    import weakref
+
+    blocks, scales = random_packed(experts=6, outputs=24, groups=2, scales=(110, 140))
+    offsets = torch.tensor([3, 5, 9, 10, 14, 20], dtype=torch.int32)
+    x = torch.randn(20, 64, generator=torch.Generator().manual_seed(2))
+    monkeypatch.setattr(families, "DEQUANTIZED_CHUNK_BYTES", 2 * 24 * 64 * 4)  # two experts a chunk: three chunks
+    monkeypatch.setattr(mxfp4_experts, "PREFETCH", mxfp4_experts.DequantizePrefetch())
+    dequantized, most_alive = [], []
+    original = mxfp4_experts.dequantize_on_device
+
+    def counted(*args):
+        weight = original(*args)
+        dequantized.append(weakref.ref(weight))
+        most_alive.append(sum(ref() is not None for ref in dequantized))
+        return weight
+
+    monkeypatch.setattr(mxfp4_experts, "dequantize_on_device", counted)
+    first, second = (mxfp4_experts.grouped_mm(x, blocks, scales, offsets) for _ in range(2))
+    assert mxfp4_experts.PREFETCH.hits >= 2 and max(most_alive) == 2
+    assert torch.equal(bits(second), bits(first))
+
+
 @pytest.mark.parametrize("checkpoint", ["one shard", "many shards"])
 def test_loading_keeps_the_stored_experts_packed_and_the_other_weights_as_stored(mxfp4_folder, many_shards,
                                                                                    checkpoint):
@@ -444,6 +469,7 @@ def test_once_a_micro_batch_has_shown_the_order_each_chunk_of_experts_is_dequant
         from finetune.models.compilation import CompileInsideCheckpoints
 
         torch._dynamo.reset()
+        counters.clear()  # an earlier test's compiles in this process
         CompileInsideCheckpoints("aot_eager", None).on_train_begin(None, None, None, model=model)
     ids = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(5))
     gradients = []
@@ -459,3 +485,46 @@ def test_once_a_micro_batch_has_shown_the_order_each_chunk_of_experts_is_dequant
     assert (prefetch.misses, prefetch.hits, prefetch.reused) == (dequantized + 1, dequantized - 1, reused)
     assert any("experts" in name for name in gradients[0])
     assert all(torch.equal(gradients[1][name], gradient) for name, gradient in gradients[0].items())
+
+
+def test_kept_weights_never_outlive_their_layer_when_the_backward_asks_through_other_tensors(mxfp4_folder,
+                                                                                             monkeypatch):
+    """Saved tensors that come back as copies (TRL's activation offloading moves plain buffers to the CPU and back):
+    the backward's transposed requests name other tensors than the recomputation's, so nothing kept is reused, and
+    what a layer kept is dropped when the next layer's recomputation begins, not held for every layer; the gradients
+    are those of the run without copies. After `release` nothing is held or remembered."""
+    from peft import LoraConfig, get_peft_model
+
+    prefetch = mxfp4_experts.DequantizePrefetch()
+    monkeypatch.setattr(mxfp4_experts, "PREFETCH", prefetch)
+    model = get_peft_model(mxfp4_loading.load(str(mxfp4_folder), "cpu", torch.float32),
+                           LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=False,
+                                      target_parameters=list(expert_lora.EXPERT_WEIGHTS)))
+    expert_lora.install(model)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    model.enable_input_require_grads()
+    model.train()
+    ids = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(6))
+    most_kept, gradients = [], []
+
+    def most_kept_so_far(tensor):
+        most_kept.append(len(prefetch._kept))
+        return tensor
+
+    for copies in (False, True):
+        hooks = torch.autograd.graph.saved_tensors_hooks(
+            lambda tensor: tensor.clone() if copies and tensor.dtype == torch.uint8 else tensor, most_kept_so_far)
+        with hooks:
+            model(input_ids=ids, labels=ids).loss.backward()
+        gradients.append({name: parameter.grad.clone() for name, parameter in model.named_parameters()
+                          if parameter.grad is not None})
+        model.zero_grad()
+        if copies:
+            assert max(most_kept) <= 2  # one layer's gate_up and down
+        else:
+            assert prefetch.reused == 2 * model.config.num_hidden_layers
+        most_kept.clear()
+    assert prefetch.reused == 2 * model.config.num_hidden_layers  # none in the run with copies
+    assert all(torch.equal(gradients[1][name], gradient) for name, gradient in gradients[0].items())
+    prefetch.release()
+    assert prefetch._pending is None and not prefetch._kept and not prefetch._followers

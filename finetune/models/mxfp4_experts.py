@@ -116,6 +116,7 @@ def _chunked_grouped_mm(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Ten
         weight = PREFETCH.weight(blocks, scales, first, last, x.dtype, transposed)
         output[start:stop] = expert_lora.grouped_mm(x[start:stop], weight.transpose(-2, -1) if transposed else weight,
                                                     offsets[first:last] - start)
+        del weight  # before the next chunk is asked for, which prefetches the one after it: two chunks alive, not three
     return output
 
 
@@ -147,12 +148,19 @@ class DequantizePrefetch:
     def weight(self, blocks: torch.Tensor, scales: torch.Tensor, first: int, last: int, dtype: torch.dtype,
                transposed: bool) -> torch.Tensor:
         """Experts first..last-1 of blocks and scales dequantized to `dtype`, [experts, in, out]."""
+        if blocks.is_cuda and torch.cuda.is_current_stream_capturing():
+            # a CUDA graph (compile mode reduce-overhead) replays the kernels captured, not this bookkeeping
+            return dequantize_on_device(blocks[first:last], scales[first:last], dtype)
         in_backward = torch._C._current_graph_task_id() != -1
+        recomputing = in_backward and not transposed
         request = (id(blocks), first, last, transposed, in_backward)
         pending, self._pending = self._pending, None
         kept = self._kept.pop((id(blocks), first, last), None) if transposed and in_backward else None
-        if not in_backward:
-            self._kept.clear()  # a forward: what an abandoned backward kept is never asked for
+        previous = self._last_request
+        if not in_backward or (recomputing and not (previous and previous[4] and not previous[3])):
+            # a forward, or a layer's recomputation begins: what an earlier layer kept is asked for no more (its
+            # input gradient came, or never will: another tensor than the one kept, no gradient wanted)
+            self._kept.clear()
         if (weight := _ready(kept, blocks, scales, first, last, dtype)) is not None:
             self.reused += 1
         elif (weight := _ready(pending, blocks, scales, first, last, dtype)) is not None:
@@ -160,25 +168,32 @@ class DequantizePrefetch:
         else:
             self.misses += 1
             weight = dequantize_on_device(blocks[first:last], scales[first:last], dtype)
-        if in_backward and not transposed and last - first == blocks.shape[0]:
+        if recomputing and last - first == blocks.shape[0]:
             self._kept[(id(blocks), first, last)] = _Dequantized(blocks, scales, first, last, dtype, weight, None)
-        if self._last_request is not None:
-            self._followers[self._last_request] = (weakref.ref(blocks), weakref.ref(scales), first, last, transposed,
-                                                   in_backward)
+        if previous is not None:
+            self._followers[previous] = (weakref.ref(blocks), weakref.ref(scales), first, last, dtype,
+                                                   transposed, in_backward)
         self._last_request = request
-        self._start(self._followers.get(request), dtype)
+        self._start(self._followers.get(request))
         return weight
 
-    def _start(self, follower: tuple | None, dtype: torch.dtype) -> None:
+    def release(self) -> None:
+        """Nothing held: no weight dequantized ahead or kept, no order remembered (training is over)."""
+        self._followers.clear()
+        self._kept.clear()
+        self._last_request = self._pending = None
+
+    def _start(self, follower: tuple | None) -> None:
         blocks, scales = (follower[0](), follower[1]()) if follower else (None, None)
         if blocks is None or scales is None:
             return
-        first, last, transposed, in_backward = follower[2:]
+        first, last, dtype, transposed, in_backward = follower[2:]
         if transposed and in_backward and (id(blocks), first, last) in self._kept:
             return
         ready = None
         if blocks.is_cuda:
             side = self._side_stream(blocks.device)
+            side.wait_stream(torch.cuda.current_stream(blocks.device))  # whatever this stream still writes to them
             with torch.cuda.stream(side):
                 weight = dequantize_on_device(blocks[first:last], scales[first:last], dtype)
                 ready = torch.cuda.Event()
@@ -202,8 +217,13 @@ class _Dequantized:
 
     def __init__(self, blocks, scales, first, last, dtype, weight, ready):
         self.source = (blocks, scales, first, last, dtype)
-        self.versions = (blocks._version, scales._version)
+        self.versions = _versions(blocks, scales)
         self.weight, self.ready = weight, ready
+
+
+def _versions(blocks: torch.Tensor, scales: torch.Tensor) -> tuple:
+    """What changes when a tensor is written in place (its version) or given other memory (`.data = ...`)."""
+    return blocks._version, scales._version, blocks.data_ptr(), scales.data_ptr()
 
 
 def _ready(held: _Dequantized | None, blocks, scales, first, last, dtype) -> torch.Tensor | None:
@@ -212,7 +232,7 @@ def _ready(held: _Dequantized | None, blocks, scales, first, last, dtype) -> tor
         return None
     source_blocks, source_scales, *chunk = held.source
     if not (source_blocks is blocks and source_scales is scales and chunk == [first, last, dtype]
-            and held.versions == (blocks._version, scales._version)):
+            and held.versions == _versions(blocks, scales)):
         return None
     if held.ready is not None:
         stream = torch.cuda.current_stream(held.weight.device)

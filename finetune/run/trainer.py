@@ -15,7 +15,7 @@ from finetune.checks import resume
 from finetune.checks.relaunch import run_identity, training_length
 from finetune.config.launch_request import ExportedLaunch
 from finetune.errors import UserError, say
-from finetune.models import compilation, expert_lora, fp8
+from finetune.models import compilation, expert_lora, fp8, mxfp4_experts
 from finetune.run import evaluation, out_of_memory, saving, speed, tracking
 from finetune.run import generation as inference
 from finetune.run import model as model_loading
@@ -237,7 +237,10 @@ def train_and_save(trainer: SFTTrainer, run: RunConfig, tokenizer) -> None:
     with saving.writes_reported(output_dir):
         try:
             with resume.read_safely(resume_from):
-                trainer.train(resume_from_checkpoint=resume_from)
+                try:
+                    trainer.train(resume_from_checkpoint=resume_from)
+                finally:  # MXFP4 experts' weights dequantized ahead or kept: not for the saving and sampling after
+                    mxfp4_experts.PREFETCH.release()
         except resume.NothingLeftToTrain:
             say(f"{resume_from} is at max_steps: nothing left to train; writing the final model from it.")
         except torch.OutOfMemoryError:
