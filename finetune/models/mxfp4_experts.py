@@ -14,7 +14,8 @@ E2M1 values per byte, the even-indexed one in the low nibble.
 zero-stride view), so that peft's `target_parameters` builds its ParamWrapper and adapters exactly as on the
 dequantized model (same keys and shapes). The arithmetic is expert_lora's: the frozen GEMM of `GroupedLoraMatmul`
 reads blocks and scales through the `finetune::mxfp4_grouped_mm` operator here, opaque to torch.compile, so that no
-compiled graph can keep the dequantized weight for the backward.
+compiled graph can keep the dequantized weight for the backward: what is kept, and for how long, is decided here
+(`DequantizePrefetch`).
 """
 
 import functools
@@ -171,8 +172,8 @@ class DequantizePrefetch:
         if recomputing and last - first == blocks.shape[0]:
             self._kept[(id(blocks), first, last)] = _Dequantized(blocks, scales, first, last, dtype, weight, None)
         if previous is not None:
-            self._followers[previous] = (weakref.ref(blocks), weakref.ref(scales), first, last, dtype,
-                                                   transposed, in_backward)
+            self._followers[previous] = (weakref.ref(blocks), weakref.ref(scales), first, last, dtype, transposed,
+                                         in_backward)
         self._last_request = request
         self._start(self._followers.get(request))
         return weight
