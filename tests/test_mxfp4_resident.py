@@ -442,6 +442,28 @@ def test_resident_experts_loaded_on_a_gpu_without_triton_say_so_with_the_fix(mon
     assert capsys.readouterr().out == ""
 
 
+def adapted_with_a_prefetch_of_its_own(folder, monkeypatch):
+    """The tiny GPT-OSS resident on the CPU with LoRA on q_proj and both expert weights through the grouped path, and
+    a DequantizePrefetch that has seen no request, in the operator's place."""
+    from peft import LoraConfig, get_peft_model
+
+    prefetch = mxfp4_experts.DequantizePrefetch()
+    monkeypatch.setattr(mxfp4_experts, "PREFETCH", prefetch)
+    model = get_peft_model(mxfp4_loading.load(str(folder), "cpu", torch.float32),
+                           LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=False,
+                                      target_parameters=list(expert_lora.EXPERT_WEIGHTS)))
+    assert expert_lora.install(model) == model.config.num_hidden_layers
+    return model, prefetch
+
+
+def adapter_gradients(model) -> dict:
+    """The gradients of the last backward, taken and cleared."""
+    gradients = {name: parameter.grad.clone() for name, parameter in model.named_parameters()
+                 if parameter.grad is not None}
+    model.zero_grad()
+    return gradients
+
+
 @pytest.mark.parametrize("compiled, checkpointing", [(False, True), (True, True), (False, False)],
                          ids=["eager", "layers compiled", "no checkpointing"])
 def test_once_a_micro_batch_has_shown_the_order_each_chunk_of_experts_is_dequantized_before_it_is_asked_for(
@@ -452,14 +474,7 @@ def test_once_a_micro_batch_has_shown_the_order_each_chunk_of_experts_is_dequant
     micro-batch shows the order (each chunk dequantized where it is asked for); in the second every chunk but the first
     was dequantized ahead, while the one before it ran (DequantizePrefetch), and the gradients are the same bits.
     Without checkpointing, 4 requests a layer, none reused (nothing kept between the forward and the backward)."""
-    from peft import LoraConfig, get_peft_model
-
-    prefetch = mxfp4_experts.DequantizePrefetch()
-    monkeypatch.setattr(mxfp4_experts, "PREFETCH", prefetch)
-    model = get_peft_model(mxfp4_loading.load(str(mxfp4_folder), "cpu", torch.float32),
-                           LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=False,
-                                      target_parameters=list(expert_lora.EXPERT_WEIGHTS)))
-    assert expert_lora.install(model) == model.config.num_hidden_layers
+    model, prefetch = adapted_with_a_prefetch_of_its_own(mxfp4_folder, monkeypatch)
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
@@ -475,9 +490,7 @@ def test_once_a_micro_batch_has_shown_the_order_each_chunk_of_experts_is_dequant
     gradients = []
     for _ in range(2):
         model(input_ids=ids, labels=ids).loss.backward()
-        gradients.append({name: parameter.grad.clone() for name, parameter in model.named_parameters()
-                          if parameter.grad is not None})
-        model.zero_grad()
+        gradients.append(adapter_gradients(model))
     if compiled:
         assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
     dequantized = 4 * model.config.num_hidden_layers  # a micro-batch's forward and recomputation, or backward
@@ -493,14 +506,7 @@ def test_kept_weights_never_outlive_their_layer_when_the_backward_asks_through_o
     the backward's transposed requests name other tensors than the recomputation's, so nothing kept is reused, and
     what a layer kept is dropped when the next layer's recomputation begins, not held for every layer; the gradients
     are those of the run without copies. After `release` nothing is held or remembered."""
-    from peft import LoraConfig, get_peft_model
-
-    prefetch = mxfp4_experts.DequantizePrefetch()
-    monkeypatch.setattr(mxfp4_experts, "PREFETCH", prefetch)
-    model = get_peft_model(mxfp4_loading.load(str(mxfp4_folder), "cpu", torch.float32),
-                           LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=False,
-                                      target_parameters=list(expert_lora.EXPERT_WEIGHTS)))
-    expert_lora.install(model)
+    model, prefetch = adapted_with_a_prefetch_of_its_own(mxfp4_folder, monkeypatch)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
     model.enable_input_require_grads()
     model.train()
@@ -513,12 +519,11 @@ def test_kept_weights_never_outlive_their_layer_when_the_backward_asks_through_o
 
     for copies in (False, True):
         hooks = torch.autograd.graph.saved_tensors_hooks(
-            lambda tensor: tensor.clone() if copies and tensor.dtype == torch.uint8 else tensor, most_kept_so_far)
+            lambda tensor, copies=copies: tensor.clone() if copies and tensor.dtype == torch.uint8 else tensor,
+            most_kept_so_far)
         with hooks:
             model(input_ids=ids, labels=ids).loss.backward()
-        gradients.append({name: parameter.grad.clone() for name, parameter in model.named_parameters()
-                          if parameter.grad is not None})
-        model.zero_grad()
+        gradients.append(adapter_gradients(model))
         if copies:
             assert max(most_kept) <= 2  # one layer's gate_up and down
         else:

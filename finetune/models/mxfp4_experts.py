@@ -21,6 +21,7 @@ compiled graph can keep the dequantized weight for the backward: what is kept, a
 import functools
 import importlib
 import weakref
+from typing import NamedTuple
 
 import torch
 
@@ -139,8 +140,8 @@ class DequantizePrefetch:
     planner counts them). On a CPU the next chunk is dequantized before it is asked for, in the same stream."""
 
     def __init__(self):
-        self._followers: dict[tuple, tuple] = {}
-        self._last_request: tuple | None = None
+        self._followers: dict[_Request, tuple] = {}
+        self._last_request: _Request | None = None
         self._pending: _Dequantized | None = None
         self._kept: dict[tuple, _Dequantized] = {}
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
@@ -152,13 +153,11 @@ class DequantizePrefetch:
         if blocks.is_cuda and torch.cuda.is_current_stream_capturing():
             # a CUDA graph (compile mode reduce-overhead) replays the kernels captured, not this bookkeeping
             return dequantize_on_device(blocks[first:last], scales[first:last], dtype)
-        in_backward = torch._C._current_graph_task_id() != -1
-        recomputing = in_backward and not transposed
-        request = (id(blocks), first, last, transposed, in_backward)
+        request = _Request(id(blocks), first, last, transposed, torch._C._current_graph_task_id() != -1)
         pending, self._pending = self._pending, None
-        kept = self._kept.pop((id(blocks), first, last), None) if transposed and in_backward else None
+        kept = self._kept.pop(request.chunk, None) if request.input_gradient else None
         previous = self._last_request
-        if not in_backward or (recomputing and not (previous and previous[4] and not previous[3])):
+        if not request.in_backward or (request.recomputing and not (previous is not None and previous.recomputing)):
             # a forward, or a layer's recomputation begins: what an earlier layer kept is asked for no more (its
             # input gradient came, or never will: another tensor than the one kept, no gradient wanted)
             self._kept.clear()
@@ -169,11 +168,10 @@ class DequantizePrefetch:
         else:
             self.misses += 1
             weight = dequantize_on_device(blocks[first:last], scales[first:last], dtype)
-        if recomputing and last - first == blocks.shape[0]:
-            self._kept[(id(blocks), first, last)] = _Dequantized(blocks, scales, first, last, dtype, weight, None)
+        if request.recomputing and last - first == blocks.shape[0]:
+            self._kept[request.chunk] = _Dequantized(blocks, scales, first, last, dtype, weight, None)
         if previous is not None:
-            self._followers[previous] = (weakref.ref(blocks), weakref.ref(scales), first, last, dtype, transposed,
-                                         in_backward)
+            self._followers[previous] = (weakref.ref(blocks), weakref.ref(scales), dtype, request)
         self._last_request = request
         self._start(self._followers.get(request))
         return weight
@@ -188,9 +186,10 @@ class DequantizePrefetch:
         blocks, scales = (follower[0](), follower[1]()) if follower else (None, None)
         if blocks is None or scales is None:
             return
-        first, last, dtype, transposed, in_backward = follower[2:]
-        if transposed and in_backward and (id(blocks), first, last) in self._kept:
+        dtype, request = follower[2:]
+        if request.input_gradient and request.chunk in self._kept:
             return
+        first, last = request.first, request.last
         ready = None
         if blocks.is_cuda:
             side = self._side_stream(blocks.device)
@@ -210,6 +209,29 @@ class DequantizePrefetch:
             # high priority: its few blocks go to the first free multiprocessors, done before the next GEMM needs them
             self._streams[device] = torch.cuda.Stream(device, priority=-1)
         return self._streams[device]
+
+
+class _Request(NamedTuple):
+    """What asks for a chunk: its experts' blocks (by identity), the chunk's first and last experts, the direction,
+    and whether autograd's backward is running."""
+    blocks: int
+    first: int
+    last: int
+    transposed: bool
+    in_backward: bool
+
+    @property
+    def chunk(self) -> tuple[int, int, int]:
+        return self.blocks, self.first, self.last
+
+    @property
+    def recomputing(self) -> bool:
+        """A checkpointed layer's forward run again in the backward."""
+        return self.in_backward and not self.transposed
+
+    @property
+    def input_gradient(self) -> bool:
+        return self.in_backward and self.transposed
 
 
 class _Dequantized:
