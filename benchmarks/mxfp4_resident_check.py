@@ -150,9 +150,22 @@ def forward_backward(experts, hidden, indices, weights, adapters):
     return [output.detach(), *torch.autograd.grad(output.float().square().mean(), leaves)]
 
 
+def expert_shapes(config) -> dict:
+    """Each expert weight's (in, out)."""
+    hidden, intermediate = config.hidden_size, config.intermediate_size
+    return {"gate_up_proj": (hidden, 2 * intermediate), "down_proj": (intermediate, hidden)}
+
+
+def random_adapters(shapes: dict, experts: int, generator) -> dict:
+    """Expert weight name -> (L [experts, in, RANK], R [experts, RANK, out], scale), as expert_lora takes them."""
+    return {name: tuple((torch.randn(experts, *shape, device=DEVICE, generator=generator) * 0.01)
+                        .to(torch.bfloat16).requires_grad_() for shape in ((inputs, RANK), (RANK, outputs)))
+            + (2.0,) for name, (inputs, outputs) in shapes.items()}
+
+
 def layer_check(config, tokens, generator, variants):
     experts, hidden, intermediate = config.num_local_experts, config.hidden_size, config.intermediate_size
-    shapes = {"gate_up_proj": (hidden, 2 * intermediate), "down_proj": (intermediate, hidden)}
+    shapes = expert_shapes(config)
     packed = {name: random_packed(experts, outputs, inputs, generator) for name, (inputs, outputs) in shapes.items()}
     every_scale = random_packed(experts, 2 * intermediate, hidden, generator, scales=(0, 255))
     result = {"kernel_bit_equal": {str(dtype): all(bit_equal(*pair, dtype) for pair in packed.values())
@@ -173,9 +186,7 @@ def layer_check(config, tokens, generator, variants):
     logits = torch.randn(tokens, experts, device=DEVICE, generator=generator)
     top, indices = logits.topk(config.num_experts_per_tok, dim=-1)
     routing = torch.softmax(top, dim=-1).to(torch.bfloat16)
-    adapters = {name: tuple((torch.randn(experts, *shape, device=DEVICE, generator=generator) * 0.01)
-                            .to(torch.bfloat16).requires_grad_() for shape in ((inputs, RANK), (RANK, outputs)))
-                + (2.0,) for name, (inputs, outputs) in shapes.items()}
+    adapters = random_adapters(shapes, experts, generator)
     runs = {}
     for label, module in (("dense", dense), ("resident", resident)):
         inputs = (hidden_states.clone().requires_grad_(), indices, routing.clone().requires_grad_())
@@ -201,17 +212,15 @@ class DequantizedWhereAsked(mxfp4_experts.DequantizePrefetch):
 
 
 def prefetch_check(config, tokens, layers, generator):
-    experts, hidden, intermediate = config.num_local_experts, config.hidden_size, config.intermediate_size
-    shapes = {"gate_up_proj": (hidden, 2 * intermediate), "down_proj": (intermediate, hidden)}
+    experts, hidden = config.num_local_experts, config.hidden_size
+    shapes = expert_shapes(config)
     pairs = [experts_pair(config, {name: random_packed(experts, outputs, inputs, generator)
                                    for name, (inputs, outputs) in shapes.items()}) for _ in range(layers)]
     hidden_states = torch.randn(tokens, hidden, device=DEVICE, dtype=torch.bfloat16, generator=generator)
     top, indices = torch.randn(tokens, experts, device=DEVICE, generator=generator).topk(config.num_experts_per_tok,
                                                                                         dim=-1)
     routing = torch.softmax(top, dim=-1).to(torch.bfloat16)
-    adapters = [{name: tuple((torch.randn(experts, *shape, device=DEVICE, generator=generator) * 0.01)
-                             .to(torch.bfloat16).requires_grad_() for shape in ((inputs, RANK), (RANK, outputs)))
-                 + (2.0,) for name, (inputs, outputs) in shapes.items()} for _ in range(layers)]
+    adapters = [random_adapters(shapes, experts, generator) for _ in range(layers)]
     leaves = [factor for layer in adapters for lora_in, lora_out, _ in layer.values() for factor in (lora_in, lora_out)]
 
     def through_all(which: int, checkpointed: bool):
@@ -256,8 +265,8 @@ def routed_offsets(tokens, experts, top, generator):
 
 def fused_gemm_check(config, token_counts, generator):
     """Per projection, per token count, forward and transposed: the chunked path against the fused kernel."""
-    experts, hidden, intermediate = config.num_local_experts, config.hidden_size, config.intermediate_size
-    shapes = {"gate_up_proj": (hidden, 2 * intermediate), "down_proj": (intermediate, hidden)}
+    experts = config.num_local_experts
+    shapes = expert_shapes(config)
     result = {}
     for name, (inputs, outputs) in shapes.items():
         blocks, scales = random_packed(experts, outputs, inputs, generator)
