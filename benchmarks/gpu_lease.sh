@@ -5,9 +5,9 @@
 # SIGTERM, Unsloth's Llama), 2 (GPT-OSS-20B with and without checkpointing, Unsloth's GPT-OSS), 3 (GPT-OSS-120B
 # resident on one GPU, compiled as shipped, then eager), 4 (GPT-OSS-20B resident against dequantized), 5 (resident
 # with checkpointing, Unsloth's GPT-OSS), 9 (GPT-OSS-120B at r16 with fp32 AdamW, 4 then 8 rows a micro-batch, for
-# one H200), 10 (GPT-OSS-20B resident with and without checkpointing, then dequantized without) or 11 (GPT-OSS-20B
+# one H200), 10 (GPT-OSS-20B resident with and without checkpointing, then dequantized without), 11 (GPT-OSS-20B
 # resident against dequantized with checkpointing, after the prefetched dequantization against dequantizing where
-# asked); each fits one call.
+# asked) or 12 (the same, after the variant that dequantizes nothing ahead); each fits one call.
 # Run from the project's root with `carry` [".whl", ".uw", ".peers"] (../shared/gpu/README.md: the project's wheels in
 # .whl, Unsloth's in .uw, unsloth_peer.py in .peers). The results and logs go to $OUT/up.
 #   bash benchmarks/gpu_lease.sh 1
@@ -15,7 +15,7 @@ set -euo pipefail
 # this session's GPU processes left by an earlier call would skew the memory and the speed
 for pid in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null); do kill -9 "$pid" 2>/dev/null || true; done
 df -h /dev/shm . | sed 's/^/[lease] /'; free -g | sed 's/^/[lease] /' 
-part=${1:?usage: gpu_lease.sh 1|2|3|4|5|6|7|8|9|10|11}
+part=${1:?usage: gpu_lease.sh 1|2|3|4|5|6|7|8|9|10|11|12}
 # bytecode compiled as a user's `pip install` leaves it: a first import that compiles it is a wait no user has.
 # Once per machine: a later call of the same lease finds them installed.
 wheels=$(ls -l .whl .uw | md5sum | cut -c1-32)
@@ -38,7 +38,7 @@ echo "[lease] bytecode compiled in $(python3 -c "print(round($(date +%s.%N) - $s
 # graph breaks and dynamo's restarts are logged: where a compiled first step's wait goes, beside finetune_speed.json's compile_seconds
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 HF_HUB_OFFLINE=1 TORCH_LOGS=graph_breaks,dynamo
 out="${OUT:-runs/up/results}/up"
-if [ "$part" = 11 ]; then
+if [ "$part" = 11 ] || [ "$part" = 12 ]; then
   # the prefetch's exactness on this GPU (its second stream) before the rows that time it (issue 42: the 0.95x row)
   mkdir -p "$out"
   OUT="$out" timeout 90 python3 benchmarks/mxfp4_resident_check.py --prefetch > "$out/mxfp4_prefetch.log" 2>&1

@@ -54,6 +54,9 @@ CASES = {  # name: recipe, model folder, extra flags
     "gptoss20b_resident": ("gpt-oss-20b/lora.yaml", "gpt-oss-20b", [*COMPILED, "--dequantize_mxfp4", "false"]),
     "gptoss20b_resident_ckpt": ("gpt-oss-20b/lora.yaml", "gpt-oss-20b",
                                 [*COMPILED, "--dequantize_mxfp4", "false", "--gradient_checkpointing", "true"]),
+    # the same through benchmarks/sft_kept_only.py: nothing dequantized ahead, the recomputed projections kept
+    "gptoss20b_resident_ckpt_kept": ("gpt-oss-20b/lora.yaml", "gpt-oss-20b",
+                                     [*COMPILED, "--dequantize_mxfp4", "false", "--gradient_checkpointing", "true"]),
     "gptoss120b_lora": ("gpt-oss-120b/lora.yaml", "gpt-oss-120b", COMPILED),
     "gptoss120b_lora_eager": ("gpt-oss-120b/lora.yaml", "gpt-oss-120b", ["--torch_compile", "false"]),
     # the recipe header's variant for one 141 GB GPU (H200)
@@ -68,7 +71,9 @@ CASES = {  # name: recipe, model folder, extra flags
 # steps take ~3 s: 12 give 7 after the warm-up ones and leave a device call room for a cold and a warm launch.
 STEPS_OF_CASE = {**{name: 8 for name in ("gptoss120b_lora", "gptoss120b_lora_eager", "gptoss120b_lora_r16",
                                          "gptoss120b_lora_r16_b8")},
-                 **{name: 12 for name in ("gptoss20b_lora_ckpt", "gptoss20b_resident_ckpt")}}
+                 **{name: 12 for name in ("gptoss20b_lora_ckpt", "gptoss20b_resident_ckpt",
+                                          "gptoss20b_resident_ckpt_kept")}}
+SCRIPT_OF_CASE = {"gptoss20b_resident_ckpt_kept": "benchmarks/sft_kept_only.py"}  # the others run scripts/sft.py
 # The GPU machine's disk (64 GiB) cannot hold GPT-OSS-120B's 61 GiB folder: it is written to memory (a tmpfs)
 BIG_MODELS = Path(os.environ.get("USER_PATH_BIG_MODELS", "/dev/shm/finetune-up"))
 ARCHITECTURES = {"llama3b": "meta-llama/Llama-3.2-3B-Instruct", "llama1b": "meta-llama/Llama-3.2-1B-Instruct"}
@@ -184,7 +189,7 @@ def launch_command(name: str, work: Path, output_dir: Path, accelerate_config: s
     recipe, model, extra = CASES[name]
     config = ["--config_file", str(ROOT / "accelerate_configs" / accelerate_config)] if accelerate_config else []
     return [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", *config, "--num_processes", "1",
-            str(ROOT / "scripts" / "sft.py"), "--config", str(ROOT / "recipes" / recipe),
+            str(ROOT / SCRIPT_OF_CASE.get(name, "scripts/sft.py")), "--config", str(ROOT / "recipes" / recipe),
             "--model_name_or_path", str(model_folder(work, model)), "--dataset_name", str(work / "data"), "--logging_steps", "1",
             "--eval_strategy", "no", "--eval_samples_before_after", "0", "--output_dir", str(output_dir), *flags,
             *extra]
@@ -417,6 +422,8 @@ PARTS = {
     10: [("run", "gptoss20b_resident_ckpt"), ("run", "gptoss20b_resident"), ("run", "gptoss20b_lora")],
     # GPT-OSS-20B resident against dequantized with checkpointing, one call (then the prefetch's own benchmark)
     11: [("run", "gptoss20b_resident_ckpt"), ("run", "gptoss20b_lora_ckpt")],
+    # the same with the prefetch's variant that dequantizes nothing ahead first
+    12: [("run", "gptoss20b_resident_ckpt_kept"), ("run", "gptoss20b_resident_ckpt"), ("run", "gptoss20b_lora_ckpt")],
 }
 LEAST_SECONDS = 60  # no task starts with less of the budget left
 

@@ -109,7 +109,8 @@ def test_benchmark_times_the_prefetched_dequantization_against_dequantizing_wher
                                                                                         monkeypatch):
     """benchmarks/mxfp4_resident_check.py --prefetch on the tiny GPT-OSS: its code, not its timings. Over the warm-up,
     5 timed passes and the compared one, 4 requests a layer a pass (6 with checkpointing, 2 of them reused): the first
-    pass and the next one's first request dequantized where asked, the rest ahead; the same bits either way."""
+    pass and the next one's first request dequantized where asked, the rest ahead; kept only, every request but the
+    reused ones dequantized where asked; the same bits every way."""
     from benchmarks import mxfp4_checkpoints, mxfp4_resident_check
 
     folder = mxfp4_checkpoints.tiny_checkpoint()
@@ -126,7 +127,9 @@ def test_benchmark_times_the_prefetched_dequantization_against_dequantizing_wher
         assert before["misses"] == passes * layers * (asked + reused) and before["hits"] == before["reused"] == 0
         assert (after["misses"], after["hits"], after["reused"]) == (
             layers * asked + 1, (passes - 1) * layers * asked - 1, passes * layers * reused)
-        assert timings["max_abs_diff_prefetched"] == 0.0 and all(
+        kept = timings["resident, kept only"]
+        assert (kept["misses"], kept["hits"], kept["reused"]) == (passes * layers * asked, 0, passes * layers * reused)
+        assert timings["max_abs_diff_prefetched"] == timings["max_abs_diff_kept"] == 0.0 and all(
             timings[label]["fwd_bwd_ms"] > 0 for label in ("dense", "resident, dequantized where asked"))
 
 

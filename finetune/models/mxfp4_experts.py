@@ -137,9 +137,11 @@ class DequantizePrefetch:
     recomputation's whole projection (all its experts in one chunk) is kept until its transposed product asks for it,
     a few GEMMs later: two passes over the weights a micro-batch instead of three. At most two chunks are
     dequantized at a time, or, with checkpointing and whole projections, one layer's two and the next one's (the
-    planner counts them). On a CPU the next chunk is dequantized before it is asked for, in the same stream."""
+    planner counts them). On a CPU the next chunk is dequantized before it is asked for, in the same stream. With
+    `ahead` false nothing is dequantized before it is asked for: only the recomputation's projections are kept."""
 
-    def __init__(self):
+    def __init__(self, ahead: bool = True):
+        self.ahead = ahead
         self._followers: dict[_Request, tuple] = {}
         self._last_request: _Request | None = None
         self._pending: _Dequantized | None = None
@@ -183,7 +185,7 @@ class DequantizePrefetch:
         self._last_request = self._pending = None
 
     def _start(self, follower: tuple | None) -> None:
-        blocks, scales = (follower[0](), follower[1]()) if follower else (None, None)
+        blocks, scales = (follower[0](), follower[1]()) if follower and self.ahead else (None, None)
         if blocks is None or scales is None:
             return
         dtype, request = follower[2:]
