@@ -7,7 +7,7 @@
 # with checkpointing, Unsloth's GPT-OSS), 9 (GPT-OSS-120B at r16 with fp32 AdamW, 4 then 8 rows a micro-batch, for
 # one H200), 10 (GPT-OSS-20B resident with and without checkpointing, then dequantized without), 11 (GPT-OSS-20B
 # resident against dequantized with checkpointing, after the prefetched dequantization against dequantizing where
-# asked) or 12 (the same, after the variant that dequantizes nothing ahead); each fits one call.
+# asked) or 12 (the same, then the variant that dequantizes the next chunk ahead); each fits one call.
 # Run from the project's root with `carry` [".whl", ".uw", ".peers"] (../shared/gpu/README.md: the project's wheels in
 # .whl, Unsloth's in .uw, unsloth_peer.py in .peers). The results and logs go to $OUT/up.
 #   bash benchmarks/gpu_lease.sh 1

@@ -138,20 +138,22 @@ def test_trace_summary_counts_the_gpu_busy_between_kernels_and_sums_them_by_name
         summarize({"traceEvents": [trace["traceEvents"][-1]]}, top=2)
 
 
-def test_kept_only_case_runs_sft_with_nothing_dequantized_ahead(tmp_path, monkeypatch, capsys):
-    """user_path's case gptoss20b_resident_ckpt_kept launches benchmarks/sft_kept_only.py, which runs scripts/sft.py
-    (here as far as its --help) with the prefetch swapped for one that dequantizes nothing ahead."""
+def test_ahead_case_runs_sft_with_the_next_chunk_dequantized_ahead(tmp_path, monkeypatch, capsys):
+    """user_path's case gptoss20b_resident_ckpt_ahead launches benchmarks/sft_dequantize_ahead.py, which runs
+    scripts/sft.py (here as far as its --help) with the prefetch swapped for one that dequantizes ahead; the shipped one
+    does not."""
     import runpy
 
     from benchmarks import user_path
     from finetune.models import mxfp4_experts
 
-    command = user_path.launch_command("gptoss20b_resident_ckpt_kept", tmp_path, tmp_path / "out", "")
+    assert mxfp4_experts.PREFETCH.ahead is False
+    command = user_path.launch_command("gptoss20b_resident_ckpt_ahead", tmp_path, tmp_path / "out", "")
     script = next(part for part in command if part.endswith(".py"))
-    assert script == str(ROOT / "benchmarks" / "sft_kept_only.py")
+    assert script == str(ROOT / "benchmarks" / "sft_dequantize_ahead.py")
     monkeypatch.setattr(mxfp4_experts, "PREFETCH", mxfp4_experts.PREFETCH)
     monkeypatch.setattr(sys, "argv", [script, "--help"])
     with pytest.raises(SystemExit) as exited:
         runpy.run_path(script, run_name="__main__")
     assert exited.value.code == 0 and "--dequantize_mxfp4" in capsys.readouterr().out
-    assert mxfp4_experts.PREFETCH.ahead is False
+    assert mxfp4_experts.PREFETCH.ahead is True

@@ -241,15 +241,14 @@ def test_a_local_model_folder_is_read_from_its_config_json(tmp_path):
 
 # ---- MXFP4 resident (dequantize_mxfp4: false) -------------------------------------------------------------------
 @pytest.mark.parametrize("name, experts", [("gpt-oss-120b", 128), ("gpt-oss-20b", 32)])
-def test_resident_mxfp4_experts_cost_4_25_bits_a_weight_and_two_chunks_of_dequantized_experts(name, experts):
+def test_resident_mxfp4_experts_cost_4_25_bits_a_weight_and_one_chunk_of_dequantized_experts(name, experts):
     """From the architecture (hidden 2880, expert width 2880, 36 or 24 layers): each expert's gate_up [2880, 5760]
     and down [2880, 2880] as FP4 (half a byte) + one E8M0 byte per 32 values; the rest, expert biases included, bf16.
     Dequantized at a time, where the experts get more than 256 routed rows each (4 a token): as many whole gate_up
-    experts as families.DEQUANTIZED_CHUNK_BYTES holds (32 of 33.2 MB in bf16: all of GPT-OSS-20B's) and the next
-    chunk, prefetched beside it, and, where that is not all, their GEMM's output rows (32 of `experts` experts' share)
-    before they join the others. With checkpointing and whole projections (GPT-OSS-20B), a layer's gate_up kept from
-    its recomputation beside the next one's. At 256 rows an
-    expert or fewer the fused kernel dequantizes nothing."""
+    experts as families.DEQUANTIZED_CHUNK_BYTES holds (32 of 33.2 MB in bf16: all of GPT-OSS-20B's), nothing ahead
+    (families.DEQUANTIZE_AHEAD), and, where that is not all, their GEMM's output rows (32 of `experts` experts' share)
+    before they join the others. With checkpointing and whole projections (GPT-OSS-20B), a layer's down kept from its
+    recomputation beside its gate_up. At 256 rows an expert or fewer the fused kernel dequantizes nothing."""
     a = architecture.architecture_of(f"openai/{name}")
     assert a.mxfp4_experts and (a.hidden, a.intermediate, a.experts) == (2880, 2880, experts)
     values = a.layers * experts * (2880 * 5760 + 2880 * 2880)
@@ -262,13 +261,13 @@ def test_resident_mxfp4_experts_cost_4_25_bits_a_weight_and_two_chunks_of_dequan
     assert memory.frozen_weight_bytes(a, resident) == values * 17 / 32 + (total - values) * 2
     assert memory.frozen_weight_bytes(a, dense) == total * 2
     assert families.dequantized_chunk_experts(2880 * 5760 * 2, experts) == 32
+    assert not families.DEQUANTIZE_AHEAD
     gate_up_chunk = 32 * 2880 * 5760 * 2
-    if experts > 32:  # the next chunk prefetched beside it (down's: 64 experts, as large), the chunk's output rows
-        chunk = 2 * gate_up_chunk + resident.tokens * 4 * 32 / experts * 5760 * 2
-    else:  # the whole gate_up and the whole down prefetched beside it
-        chunk = gate_up_chunk + 32 * 2880 * 2880 * 2
+    if experts > 32:  # one chunk, and its output rows; nothing kept where a projection takes several chunks
+        chunk = kept = gate_up_chunk + resident.tokens * 4 * 32 / experts * 5760 * 2
+    else:  # the whole gate_up; with checkpointing the whole down kept beside it
+        chunk, kept = gate_up_chunk, gate_up_chunk + 32 * 2880 * 2880 * 2
     assert memory.mxfp4_dequantized_bytes(a, resident) == chunk
-    kept = 2 * gate_up_chunk + (resident.tokens * 4 * 32 / experts * 5760 * 2 if experts > 32 else 0)
     assert memory.mxfp4_dequantized_bytes(a, replace(resident, gradient_checkpointing=True)) == kept
     assert memory.mxfp4_dequantized_bytes(a, dense) == 0
     estimate = memory.estimate(a, resident, "ddp", 1)

@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import torch
 
-from finetune.families import dequantized_chunk_experts, fused_gemm_takes
+from finetune.families import DEQUANTIZE_AHEAD, dequantized_chunk_experts, fused_gemm_takes
 from finetune.models import expert_lora
 
 BLOCK = 32  # values that share one scale
@@ -138,7 +138,8 @@ class DequantizePrefetch:
     a few GEMMs later: two passes over the weights a micro-batch instead of three. At most two chunks are
     dequantized at a time, or, with checkpointing and whole projections, one layer's two and the next one's (the
     planner counts them). On a CPU the next chunk is dequantized before it is asked for, in the same stream. With
-    `ahead` false nothing is dequantized before it is asked for: only the recomputation's projections are kept."""
+    `ahead` false (as training runs: families.DEQUANTIZE_AHEAD) nothing is dequantized before it is asked for: only
+    the recomputation's projections are kept, one layer's two at a time."""
 
     def __init__(self, ahead: bool = True):
         self.ahead = ahead
@@ -266,7 +267,7 @@ def _ready(held: _Dequantized | None, blocks, scales, first, last, dtype) -> tor
     return held.weight
 
 
-PREFETCH = DequantizePrefetch()
+PREFETCH = DequantizePrefetch(ahead=DEQUANTIZE_AHEAD)
 
 
 def _mxfp4_grouped_mm_fake(x, blocks, scales, offsets, transposed):

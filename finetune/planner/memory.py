@@ -205,10 +205,9 @@ def mxfp4_dequantized_bytes(a: Architecture, s: Setup) -> float:
     - one chunk of experts dequantized: as many whole experts of the projection as the code takes together
       (families.dequantized_chunk_experts, which both call) (120B: 32 experts of gate_up, 2880 x 5760, or
       64 of down, 0.99 GiB in bf16 either way, where the whole projection is 3.96 GiB);
-    - beside it the next chunk, dequantized on a second stream during this one's GEMM (DequantizePrefetch): another
-      chunk of the same projection where it takes more than one, else the other projection's; with checkpointing and
-      whole projections, a layer's gate_up kept from its recomputation for its input gradient beside the previous
-      layer's, prefetched for its recomputation: the largest projection twice;
+    - with checkpointing and whole projections, a layer's projections kept from its recomputation for its input
+      gradients (DequantizePrefetch): the other projection beside the one computed; nothing dequantized ahead
+      (families.DEQUANTIZE_AHEAD is false: where it is not, the next chunk comes beside, and this count is short);
     - when the projection takes more than one chunk, the chunk's GEMM output before it is copied into the projection's
       output: its experts' share of the routed rows (tokens x experts_per_token x chunk / experts, routing counted
       even) times the wider of the projection's widths (forward: out, backward: in).
@@ -226,7 +225,7 @@ def mxfp4_dequantized_bytes(a: Architecture, s: Setup) -> float:
             rows = s.tokens * a.experts_per_token * chunk / a.experts
             outputs.append(rows * max(in_features, out_features) * dtype_bytes)
     largest, *others = sorted(chunks, reverse=True)
-    beside = largest if outputs or not others or s.gradient_checkpointing else others[0]
+    beside = others[0] if others and not outputs and s.gradient_checkpointing else 0.0
     return largest + beside + max(outputs, default=0.0)
 
 
