@@ -99,10 +99,10 @@ def gpt_oss_expert(a) -> dict[str, tuple[int, int]]:
 # chunks' outputs into the projection's.
 DEQUANTIZED_CHUNK_BYTES = 2**30
 # Whether the next chunk is dequantized ahead, on a second CUDA stream during this chunk's grouped GEMM
-# (mxfp4_experts.DequantizePrefetch computes so and the planner counts it): no, the GEMMs hold every multiprocessor
-# (persistent CUTLASS kernels), so it waits for them and then delays the kernels after them. One H100, GPT-OSS-20B,
-# 4 layers of experts at 8,192 tokens (docs/benchmarks.md, 2026-12-06): 94.07 ms without against 94.87 with it
-# (checkpointing), 68.10 against 68.96 (without).
+# (mxfp4_experts.DequantizePrefetch computes so; the planner counts what it holds when false, as tests/test_plan.py
+# asserts): no, the GEMMs hold every multiprocessor (persistent CUTLASS kernels), so it waits for them and then delays
+# the kernels after them. One H100, GPT-OSS-20B, 4 layers of experts at 8,192 tokens (docs/benchmarks.md, 2026-12-06):
+# 94.07 ms without against 94.87 with it (checkpointing), 68.10 against 68.96 (without).
 DEQUANTIZE_AHEAD = False
 # Where the experts get at most this many routed rows each on average, the GEMM decodes the MXFP4 weights inside its
 # tiles instead (finetune/models/mxfp4_grouped_gemm.py) and nothing is dequantized. One H100, 2026-12-06

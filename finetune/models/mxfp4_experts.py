@@ -118,7 +118,8 @@ def _chunked_grouped_mm(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Ten
         weight = PREFETCH.weight(blocks, scales, first, last, x.dtype, transposed)
         output[start:stop] = expert_lora.grouped_mm(x[start:stop], weight.transpose(-2, -1) if transposed else weight,
                                                     offsets[first:last] - start)
-        del weight  # before the next chunk is asked for, which prefetches the one after it: two chunks alive, not three
+        del weight  # before the next chunk is asked for (which, dequantizing ahead, starts the one after it): one alive
+        # at a time, or two dequantizing ahead, not three
     return output
 
 
@@ -136,10 +137,10 @@ class DequantizePrefetch:
     (another order, the first of a run) is dequantized where it is asked and the prefetched weight is dropped. A
     recomputation's whole projection (all its experts in one chunk) is kept until its transposed product asks for it,
     a few GEMMs later: two passes over the weights a micro-batch instead of three. At most two chunks are
-    dequantized at a time, or, with checkpointing and whole projections, one layer's two and the next one's (the
-    planner counts them). On a CPU the next chunk is dequantized before it is asked for, in the same stream. With
-    `ahead` false (as training runs: families.DEQUANTIZE_AHEAD) nothing is dequantized before it is asked for: only
-    the recomputation's projections are kept, one layer's two at a time."""
+    dequantized at a time, or, with checkpointing and whole projections, one layer's two and the next one's. On a
+    CPU the next chunk is dequantized before it is asked for, in the same stream. With `ahead` false (as training
+    runs: families.DEQUANTIZE_AHEAD) nothing is dequantized before it is asked for and no order is learned: one chunk
+    at a time, or the recomputation's projections kept, one layer's two (what the planner counts)."""
 
     def __init__(self, ahead: bool = True):
         self.ahead = ahead
@@ -173,7 +174,7 @@ class DequantizePrefetch:
             weight = dequantize_on_device(blocks[first:last], scales[first:last], dtype)
         if request.recomputing and last - first == blocks.shape[0]:
             self._kept[request.chunk] = _Dequantized(blocks, scales, first, last, dtype, weight, None)
-        if previous is not None:
+        if self.ahead and previous is not None:
             self._followers[previous] = (weakref.ref(blocks), weakref.ref(scales), dtype, request)
         self._last_request = request
         self._start(self._followers.get(request))
@@ -186,7 +187,7 @@ class DequantizePrefetch:
         self._last_request = self._pending = None
 
     def _start(self, follower: tuple | None) -> None:
-        blocks, scales = (follower[0](), follower[1]()) if follower and self.ahead else (None, None)
+        blocks, scales = (follower[0](), follower[1]()) if follower else (None, None)
         if blocks is None or scales is None:
             return
         dtype, request = follower[2:]
