@@ -174,10 +174,11 @@ class DequantizePrefetch:
             weight = dequantize_on_device(blocks[first:last], scales[first:last], dtype)
         if request.recomputing and last - first == blocks.shape[0]:
             self._kept[request.chunk] = _Dequantized(blocks, scales, first, last, dtype, weight, None)
-        if self.ahead and previous is not None:
-            self._followers[previous] = (weakref.ref(blocks), weakref.ref(scales), dtype, request)
         self._last_request = request
-        self._start(self._followers.get(request))
+        if self.ahead:
+            if previous is not None:
+                self._followers[previous] = (weakref.ref(blocks), weakref.ref(scales), dtype, request)
+            self._start(self._followers.get(request))
         return weight
 
     def release(self) -> None:
