@@ -73,3 +73,31 @@ def write(path: Path, text: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     return path
+
+
+def cpu_offloading(monkeypatch):
+    """TRL's activation offloading with the CPU standing in for the GPU: every offloaded tensor is copied into a new
+    CPU tensor and copied back in backward, without pinned memory or a second stream (both need a GPU; on a machine
+    without one the recipes turn `activation_offloading` off, finetune/models/cpu.py). Returns the context and the log of
+    (phase, shape) of every tensor it offloaded."""
+    import types
+
+    import torch
+    from trl.models.activation_offloading import OffloadActivations
+
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.accelerator, "current_accelerator", lambda *args, **kwargs: torch.device("cpu"))
+        context = OffloadActivations(use_pin_memory=False, use_streams=False)
+    context.device_module = types.SimpleNamespace(current_stream=torch.cpu.current_stream, stream=torch.cpu.stream,
+                                                  empty_cache=lambda: None)
+    offloaded, phase = [], ["forward"]
+    pack = context.pack_hook
+
+    def logged_pack(tensor):
+        tensor_id = pack(tensor)
+        if context.tracker[tensor_id][1]:  # True: copied to the CPU, not kept in place
+            offloaded.append((phase[0], tuple(tensor.shape)))
+        return tensor_id
+
+    context.pack_hook = logged_pack
+    return context, offloaded, phase

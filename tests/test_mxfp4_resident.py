@@ -8,6 +8,7 @@ The dequantizer is checked against benchmarks/mxfp4_checkpoints.py's reader, wri
 and the Triton kernel (under TRITON_INTERPRET=1, skipped without triton) against the dequantizer.
 """
 
+import contextlib
 import dataclasses
 import importlib
 import sys
@@ -533,3 +534,43 @@ def test_kept_weights_never_outlive_their_layer_when_the_backward_asks_through_o
     assert all(torch.equal(gradients[1][name], gradient) for name, gradient in gradients[0].items())
     prefetch.release()
     assert prefetch._pending is None and not prefetch._kept and not prefetch._followers
+
+
+def test_under_activation_offloading_compiled_layers_offload_only_their_inputs_and_reuse_the_recomputed_weights(
+        mxfp4_folder, monkeypatch):
+    """recipes/gpt-oss-20b/lora_mxfp4.yaml: checkpointing, compiled layers and TRL's activation offloading on resident
+    experts. Only the layer inputs go to the CPU, in the forward; the recomputation keeps its tensors where they are,
+    so the transposed products of the backward find the recomputation's weights (two passes over the experts a
+    micro-batch, not three), and the gradients are those of the run without offloading."""
+    from finetune.models.compilation import CompileInsideCheckpoints
+    from tests.helpers import cpu_offloading
+
+    ids = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(7))
+    runs = []
+    for offloading in (False, True):
+        torch._dynamo.reset()
+        torch.manual_seed(0)  # the same random adapters in both runs
+        model, prefetch = adapted_with_a_prefetch_of_its_own(mxfp4_folder, monkeypatch)
+        model.gradient_checkpointing_enable()
+        model.enable_input_require_grads()
+        model.train()
+        CompileInsideCheckpoints("aot_eager", None, offloading=offloading).on_train_begin(None, None, None, model=model)
+        context, offloaded, phase = cpu_offloading(monkeypatch) if offloading else (None, [], ["forward"])
+        if context:
+            context.update_model_params(model)
+        with context or contextlib.nullcontext():
+            loss = model(input_ids=ids, labels=ids).loss
+            phase[0] = "backward"
+            loss.backward()
+        runs.append((loss.detach(), adapter_gradients(model), prefetch.reused, offloaded))
+    torch._dynamo.reset()
+    (loss, gradients, reused, _), (offloaded_loss, offloaded_gradients, offloaded_reused, offloaded) = runs
+    layers, hidden = model.config.num_hidden_layers, model.config.hidden_size
+    assert offloaded_reused == reused == 2 * layers
+    assert offloaded.count(("forward", (*ids.shape, hidden))) >= layers, offloaded
+    assert all(when == "forward" for when, _ in offloaded), "the recomputed layers were offloaded too"
+    packed = {tuple(buffer.shape) for name, buffer in model.named_buffers() if buffer.dtype == torch.uint8}
+    assert packed and not packed & {shape for _, shape in offloaded}, "the experts' MXFP4 bytes went to the CPU"
+    assert torch.equal(offloaded_loss, loss)
+    assert any("experts" in name for name in gradients)
+    assert all(torch.equal(offloaded_gradients[name], gradient) for name, gradient in gradients.items())

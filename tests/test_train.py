@@ -9,7 +9,7 @@ import pytest
 
 from finetune.config.files import read_recipe
 from finetune.families import family_of
-from tests.helpers import ROOT, launch_sft, printed_losses, printed_setup
+from tests.helpers import ROOT, cpu_offloading, launch_sft, printed_losses, printed_setup
 
 pytestmark = pytest.mark.launches  # its tests start training processes
 
@@ -123,34 +123,6 @@ def test_under_checkpointing_a_layer_with_a_graph_break_is_still_compiled_once_f
     assert counter.op_count > 10 * 2, "the compiled graphs should hold the layer's work"
     for eager, compiled in zip(*gradients):
         torch.testing.assert_close(compiled, eager)
-
-
-def cpu_offloading(monkeypatch):
-    """TRL's activation offloading with the CPU standing in for the GPU: every offloaded tensor is copied into a new
-    CPU tensor and copied back in backward, without pinned memory or a second stream (both need a GPU; on a machine
-    without one the recipes turn `activation_offloading` off, finetune/models/cpu.py). Returns the context and the log of
-    (phase, shape) of every tensor it offloaded."""
-    import types
-
-    import torch
-    from trl.models.activation_offloading import OffloadActivations
-
-    with monkeypatch.context() as patch:
-        patch.setattr(torch.accelerator, "current_accelerator", lambda *args, **kwargs: torch.device("cpu"))
-        context = OffloadActivations(use_pin_memory=False, use_streams=False)
-    context.device_module = types.SimpleNamespace(current_stream=torch.cpu.current_stream, stream=torch.cpu.stream,
-                                                  empty_cache=lambda: None)
-    offloaded, phase = [], ["forward"]
-    pack = context.pack_hook
-
-    def logged_pack(tensor):
-        tensor_id = pack(tensor)
-        if context.tracker[tensor_id][1]:  # True: copied to the CPU, not kept in place
-            offloaded.append((phase[0], tuple(tensor.shape)))
-        return tensor_id
-
-    context.pack_hook = logged_pack
-    return context, offloaded, phase
 
 
 def test_offloading_compiled_checkpoints_moves_only_layer_inputs_and_keeps_the_gradients(monkeypatch):
