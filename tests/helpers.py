@@ -101,3 +101,18 @@ def cpu_offloading(monkeypatch):
 
     context.pack_hook = logged_pack
     return context, offloaded, phase
+
+
+def loss_and_backward(model, ids, monkeypatch, offloading: bool):
+    """One forward and backward of `ids` as their own labels, under cpu_offloading when `offloading`. Returns the
+    loss and the log of what was offloaded."""
+    import contextlib
+
+    context, offloaded, phase = cpu_offloading(monkeypatch) if offloading else (None, [], ["forward"])
+    if context:
+        context.update_model_params(model)
+    with context or contextlib.nullcontext():
+        loss = model(input_ids=ids, labels=ids).loss
+        phase[0] = "backward"
+        loss.backward()
+    return loss.detach(), offloaded

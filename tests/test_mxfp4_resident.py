@@ -8,7 +8,6 @@ The dequantizer is checked against benchmarks/mxfp4_checkpoints.py's reader, wri
 and the Triton kernel (under TRITON_INTERPRET=1, skipped without triton) against the dequantizer.
 """
 
-import contextlib
 import dataclasses
 import importlib
 import sys
@@ -543,7 +542,7 @@ def test_under_activation_offloading_compiled_layers_offload_only_their_inputs_a
     so the transposed products of the backward find the recomputation's weights (two passes over the experts a
     micro-batch, not three), and the gradients are those of the run without offloading."""
     from finetune.models.compilation import CompileInsideCheckpoints
-    from tests.helpers import cpu_offloading
+    from tests.helpers import loss_and_backward
 
     ids = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(7))
     runs = []
@@ -555,14 +554,8 @@ def test_under_activation_offloading_compiled_layers_offload_only_their_inputs_a
         model.enable_input_require_grads()
         model.train()
         CompileInsideCheckpoints("aot_eager", None, offloading=offloading).on_train_begin(None, None, None, model=model)
-        context, offloaded, phase = cpu_offloading(monkeypatch) if offloading else (None, [], ["forward"])
-        if context:
-            context.update_model_params(model)
-        with context or contextlib.nullcontext():
-            loss = model(input_ids=ids, labels=ids).loss
-            phase[0] = "backward"
-            loss.backward()
-        runs.append((loss.detach(), adapter_gradients(model), prefetch.reused, offloaded))
+        loss, offloaded = loss_and_backward(model, ids, monkeypatch, offloading)
+        runs.append((loss, adapter_gradients(model), prefetch.reused, offloaded))
     torch._dynamo.reset()
     (loss, gradients, reused, _), (offloaded_loss, offloaded_gradients, offloaded_reused, offloaded) = runs
     layers, hidden = model.config.num_hidden_layers, model.config.hidden_size

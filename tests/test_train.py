@@ -9,7 +9,7 @@ import pytest
 
 from finetune.config.files import read_recipe
 from finetune.families import family_of
-from tests.helpers import ROOT, cpu_offloading, launch_sft, printed_losses, printed_setup
+from tests.helpers import ROOT, launch_sft, loss_and_backward, printed_losses, printed_setup
 
 pytestmark = pytest.mark.launches  # its tests start training processes
 
@@ -128,8 +128,6 @@ def test_under_checkpointing_a_layer_with_a_graph_break_is_still_compiled_once_f
 def test_offloading_compiled_checkpoints_moves_only_layer_inputs_and_keeps_the_gradients(monkeypatch):
     """With checkpointing each layer keeps only its input: offloading moves those inputs to the CPU and brings them
     back for the backward, where the layer is recomputed (compiled, inside a reentrant checkpoint) on the device."""
-    import contextlib
-
     import torch
     from torch._dynamo.testing import CompileCounterWithBackend
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -151,15 +149,9 @@ def test_offloading_compiled_checkpoints_moves_only_layer_inputs_and_keeps_the_g
         model.train()
         model.gradient_checkpointing_enable()
         patches.compile_inside_checkpoints(model, compiled_call, offloading=keep_recomputation)
-        context, offloaded, phase = cpu_offloading(monkeypatch) if offloading else (None, [], ["forward"])
-        if context:
-            context.update_model_params(model)
-        with context or contextlib.nullcontext():
-            loss = model(input_ids=ids, labels=ids).loss
-            phase[0] = "backward"
-            loss.backward()
+        loss, offloaded = loss_and_backward(model, ids, monkeypatch, offloading)
         assert counter.frame_count > 0, "the layers should run compiled"
-        return loss.detach(), [parameter.grad for parameter in model.parameters()], offloaded
+        return loss, [parameter.grad for parameter in model.parameters()], offloaded
 
     loss, gradients, _ = train_step(offloading=False, keep_recomputation=False)
     offloaded_loss, offloaded_gradients, offloaded = train_step(offloading=True, keep_recomputation=True)
