@@ -8,7 +8,7 @@
 # one H200), 10 (GPT-OSS-20B resident with and without checkpointing, then dequantized without), 11 (GPT-OSS-20B
 # resident against dequantized with checkpointing, after the prefetched dequantization against dequantizing where
 # asked), 12 (the same, then the variant that dequantizes the next chunk ahead) or 13 (the one-GPU recipe
-# lora_mxfp4.yaml resident as shipped against dequantized, then lora.yaml's pair of 11); each fits one call.
+# lora_mxfp4.yaml resident against dequantized with activation offloading, then as shipped); each fits one call.
 # Run from the project's root with `carry` [".whl", ".uw", ".peers"] (../shared/gpu/README.md: the project's wheels in
 # .whl, Unsloth's in .uw, unsloth_peer.py in .peers). The results and logs go to $OUT/up.
 #   bash benchmarks/gpu_lease.sh 1

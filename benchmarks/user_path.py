@@ -57,10 +57,16 @@ CASES = {  # name: recipe, model folder, extra flags
     # the same through benchmarks/sft_dequantize_ahead.py: the next chunk dequantized ahead on a second stream
     "gptoss20b_resident_ckpt_ahead": ("gpt-oss-20b/lora.yaml", "gpt-oss-20b",
                                       [*COMPILED, "--dequantize_mxfp4", "false", "--gradient_checkpointing", "true"]),
-    # the one-GPU recipe with its experts resident, as shipped, and the same recipe with them dequantized at load
+    # the one-GPU recipe with its experts resident, as shipped, and the same recipe with them dequantized at load;
+    # both again with activation offloading (planned under 24 GiB resident)
     "gptoss20b_mxfp4": ("gpt-oss-20b/lora_mxfp4.yaml", "gpt-oss-20b", COMPILED),
     "gptoss20b_mxfp4_dequantized": ("gpt-oss-20b/lora_mxfp4.yaml", "gpt-oss-20b",
                                     [*COMPILED, "--dequantize_mxfp4", "true"]),
+    "gptoss20b_mxfp4_offloaded": ("gpt-oss-20b/lora_mxfp4.yaml", "gpt-oss-20b",
+                                  [*COMPILED, "--activation_offloading", "true"]),
+    "gptoss20b_mxfp4_offloaded_dequantized": ("gpt-oss-20b/lora_mxfp4.yaml", "gpt-oss-20b",
+                                              [*COMPILED, "--activation_offloading", "true", "--dequantize_mxfp4",
+                                               "true"]),
     "gptoss120b_lora": ("gpt-oss-120b/lora.yaml", "gpt-oss-120b", COMPILED),
     "gptoss120b_lora_eager": ("gpt-oss-120b/lora.yaml", "gpt-oss-120b", ["--torch_compile", "false"]),
     # the recipe header's variant for one 141 GB GPU (H200)
@@ -77,7 +83,8 @@ STEPS_OF_CASE = {**{name: 8 for name in ("gptoss120b_lora", "gptoss120b_lora_eag
                                          "gptoss120b_lora_r16_b8")},
                  **{name: 12 for name in ("gptoss20b_lora_ckpt", "gptoss20b_resident_ckpt",
                                           "gptoss20b_resident_ckpt_ahead", "gptoss20b_mxfp4",
-                                          "gptoss20b_mxfp4_dequantized")}}
+                                          "gptoss20b_mxfp4_dequantized", "gptoss20b_mxfp4_offloaded",
+                                          "gptoss20b_mxfp4_offloaded_dequantized")}}
 SCRIPT_OF_CASE = {"gptoss20b_resident_ckpt_ahead": "benchmarks/sft_dequantize_ahead.py"}  # the others run scripts/sft.py
 # The GPU machine's disk (64 GiB) cannot hold GPT-OSS-120B's 61 GiB folder: it is written to memory (a tmpfs)
 BIG_MODELS = Path(os.environ.get("USER_PATH_BIG_MODELS", "/dev/shm/finetune-up"))
@@ -429,9 +436,10 @@ PARTS = {
     11: [("run", "gptoss20b_resident_ckpt"), ("run", "gptoss20b_lora_ckpt")],
     # as 11, then the variant that dequantizes the next chunk ahead on a second stream
     12: [("run", "gptoss20b_resident_ckpt"), ("run", "gptoss20b_lora_ckpt"), ("run", "gptoss20b_resident_ckpt_ahead")],
-    # the one-GPU recipe (16,384 tokens a micro-batch) resident as shipped against dequantized, then lora.yaml's 8,192
-    13: [("run", "gptoss20b_mxfp4"), ("run", "gptoss20b_mxfp4_dequantized"), ("run", "gptoss20b_resident_ckpt"),
-         ("run", "gptoss20b_lora_ckpt")],
+    # the one-GPU recipe (16,384 tokens a micro-batch) resident against dequantized with activation offloading (issue
+    # 42's 0.95x row within 24 GiB), then as shipped
+    13: [("run", "gptoss20b_mxfp4_offloaded"), ("run", "gptoss20b_mxfp4_offloaded_dequantized"),
+         ("run", "gptoss20b_mxfp4"), ("run", "gptoss20b_mxfp4_dequantized")],
 }
 LEAST_SECONDS = 60  # no task starts with less of the budget left
 

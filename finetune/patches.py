@@ -17,7 +17,8 @@ says what to revisit and which test fails first.
   guarded by: test_preemption_single.py::test_save_total_limit_one_never_leaves_no_complete_checkpoint.
 - `compile_inside_checkpoints`
   does: sets each layer's `_gradient_checkpointing_func` so that it runs checkpoint(compiled(layer)); with activation
-  offloading, the layer's recomputation in backward runs under identity saved-tensor hooks.
+  offloading, the layer's recomputation in backward runs under saved-tensor hooks that keep each tensor where it is
+  (packed detached: an output saved with its history would keep its graph alive in a cycle).
   The checkpoint's first pass (no gradients) runs under `torch.enable_grad()` and returns its outputs detached
   (`_with_gradients_detached`), the outputs its modules captured handed over detached: its graph is the
   recomputation's, one graph per layer type instead of two (GPT-OSS-20B on one H100: 15.4 s of compiling cold).
@@ -371,13 +372,22 @@ def _same_tensor(tensor):
     return tensor
 
 
+def _kept_without_history(tensor):
+    # A tensor with a history would hold its autograd node where the node saved its own output (tanh, softmax, a
+    # compiled layer's outputs): a cycle that nothing frees, so every checkpoint's first pass would stay alive
+    # (GPT-OSS-20B on one H100: 76.9 GiB instead of 21). Autograd gives the unpacked tensor its history back. One
+    # without (a weight, the MXFP4 experts' bytes) comes back as the very tensor: their dequantized weights are kept
+    # by the identity of what they came from (mxfp4_experts.DequantizePrefetch).
+    return tensor.detach() if tensor.grad_fn is not None else tensor
+
+
 def _call_keeping_saved_tensors(compiled_call, function, *args):
     """The innermost saved-tensor hooks win: these keep what the call saves where it is, out of the offloading hooks:
     the checkpoint's first pass frees what it saved as it returns (_with_gradients_detached), the recomputation
     after its layer's backward."""
     import torch
 
-    with torch.autograd.graph.saved_tensors_hooks(_same_tensor, _same_tensor):
+    with torch.autograd.graph.saved_tensors_hooks(_kept_without_history, _same_tensor):
         return compiled_call(function, *args)
 
 
