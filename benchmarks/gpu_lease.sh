@@ -8,7 +8,8 @@
 # one H200), 10 (GPT-OSS-20B resident with and without checkpointing, then dequantized without), 11 (GPT-OSS-20B
 # resident against dequantized with checkpointing, after the prefetched dequantization against dequantizing where
 # asked), 12 (the same, then the variant that dequantizes the next chunk ahead) or 13 (the one-GPU recipe
-# lora_mxfp4.yaml resident against dequantized with activation offloading, then as shipped); each fits one call.
+# lora_mxfp4.yaml as shipped resident against dequantized, then both without activation offloading); each fits one call.
+# FLAGS="--per_device_train_batch_size 8" adds flags to every run, after (so over) each case's own.
 # Run from the project's root with `carry` [".whl", ".uw", ".peers"] (../shared/gpu/README.md: the project's wheels in
 # .whl, Unsloth's in .uw, unsloth_peer.py in .peers). The results and logs go to $OUT/up.
 #   bash benchmarks/gpu_lease.sh 1

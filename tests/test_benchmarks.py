@@ -157,3 +157,14 @@ def test_ahead_case_runs_sft_with_the_next_chunk_dequantized_ahead(tmp_path, mon
         runpy.run_path(script, run_name="__main__")
     assert exited.value.code == 0 and "--dequantize_mxfp4" in capsys.readouterr().out
     assert mxfp4_experts.PREFETCH.ahead is True
+
+
+def test_flags_given_to_user_path_override_the_cases_own(tmp_path):
+    """`--flags` (gpu_lease.sh's FLAGS) come after a case's own flags, so the parser's last value is the one asked for:
+    a lease that asked for a case without activation offloading once got it with offloading."""
+    from benchmarks import user_path
+
+    command = user_path.launch_command("gptoss20b_mxfp4_not_offloaded", tmp_path, tmp_path / "out", "",
+                                       "--activation_offloading", "true")
+    values = [command[index + 1] for index, part in enumerate(command) if part == "--activation_offloading"]
+    assert values == ["false", "true"]
