@@ -15,6 +15,7 @@ process once, with the rest of the launch, and carried on the run. `check_reques
 import json
 import os
 import sys
+from pathlib import Path
 
 from finetune import patches
 from finetune.config.launch_request import (
@@ -159,10 +160,20 @@ def deepspeed_json_problems(values: dict) -> list[tuple[str, str]]:
                          "rename it to `bf16`"))
     problems += _zero_field_problems(zero)
     for offload in ("offload_optimizer", "offload_param"):
-        if isinstance(zero.get(offload), dict) and zero[offload].get("device") == "nvme" and not _async_io_loads():
-            problems.append((f"`zero_optimization.{offload}.device: nvme` needs DeepSpeed's async_io op, which cannot "
-                             f"load here (libaio missing: `apt install libaio-dev`, then reinstall deepspeed)",
-                             "offload to `cpu` instead"))
+        if isinstance(zero.get(offload), dict) and zero[offload].get("device") == "nvme":
+            problems.append(_nvme_problem(offload, zero[offload].get("nvme_path")))
+    unfilled = [key for key in _auto_keys(values) if key not in FILLED_FROM_THE_RUN and
+                not key.startswith("bfloat16.")]  # the old name, refused above with the name to write
+    if unfilled:
+        listed = ", ".join(f"`{key}: \"auto\"`" for key in unfilled)
+        problems.append((f"{listed} {'is a value' if len(unfilled) == 1 else 'are values'} that neither transformers "
+                         f"nor accelerate fill from the run (accelerate stops on an \"auto\" it cannot fill, after "
+                         f"loading)", f"remove {'it' if len(unfilled) == 1 else 'them'} (DeepSpeed's default then "
+                         f"holds) or write a number"))
+    if isinstance(zero.get("zenflow"), dict):
+        problems.append(("`zero_optimization.zenflow` asks for DeepSpeed's ZenFlow, which builds its own optimizer from "
+                         "the JSON's `optimizer` block (that block gives way to the recipe's optimizer here)",
+                         "remove the zenflow block"))
     tensor_parallel = values.get("tensor_parallel")
     size = tensor_parallel.get("autotp_size", 1) if isinstance(tensor_parallel, dict) else 1
     if not isinstance(size, int) or size > 1:
@@ -191,6 +202,50 @@ def _zero_field_problems(zero: dict) -> list[tuple[str, str]]:
             problems.append((f"`zero_optimization.{where}` {problem['msg'].lower()} (DeepSpeed's config model)", fix))
         return problems
     return []
+
+
+# The "auto" values the run fills: transformers from the training arguments (HfTrainerDeepSpeedConfig's
+# trainer_config_process and trainer_config_finalize), accelerate from its plugin and the model
+# (DeepSpeedPlugin.__post_init__, Accelerator._prepare_deepspeed); accelerate raises on any other "auto" after loading
+FILLED_FROM_THE_RUN = {
+    "train_micro_batch_size_per_gpu", "train_batch_size", "gradient_accumulation_steps", "gradient_clipping",
+    "fp16.enabled", "bf16.enabled", "amp.enabled", "amp.opt_level",
+    "optimizer.params.lr", "optimizer.params.betas", "optimizer.params.eps", "optimizer.params.weight_decay",
+    "scheduler.params.warmup_min_lr", "scheduler.params.warmup_max_lr", "scheduler.params.warmup_num_steps",
+    "scheduler.params.total_num_steps",
+    "zero_optimization.stage", "zero_optimization.reduce_bucket_size", "zero_optimization.stage3_prefetch_bucket_size",
+    "zero_optimization.stage3_param_persistence_threshold", "zero_optimization.stage3_gather_16bit_weights_on_model_save",
+    "zero_optimization.offload_optimizer.device", "zero_optimization.offload_param.device",
+    "zero_optimization.offload_optimizer.nvme_path", "zero_optimization.offload_param.nvme_path",
+}
+
+
+def _auto_keys(values: dict, prefix: str = "") -> list[str]:
+    """The dotted keys of a JSON's "auto" values, in the file's order."""
+    found = []
+    for key, value in values.items():
+        if isinstance(value, dict):
+            found += _auto_keys(value, f"{prefix}{key}.")
+        elif value == "auto":
+            found.append(f"{prefix}{key}")
+    return found
+
+
+def _nvme_problem(offload: str, folder) -> tuple[str, str] | None:
+    """NVMe offload needs a folder on this machine for DeepSpeed's swap files and DeepSpeed's async_io op; DeepSpeed
+    fails on either only once the model is loaded (a folder it can create, it creates wherever the path points)."""
+    lacking = []
+    if not folder or not Path(str(folder)).is_dir():
+        where = f"{folder} is not a folder on this machine" if folder else "not set"
+        lacking.append(f"a folder for its swap files at `nvme_path` ({where})")
+    if not _async_io_loads():
+        lacking.append("DeepSpeed's async_io op, which cannot load here (libaio missing: `apt install libaio-dev`, "
+                       "then reinstall deepspeed)")
+    if not lacking:
+        return None
+    return (f"`zero_optimization.{offload}.device: nvme` needs {' and '.join(lacking)}",
+            f"set `zero_optimization.{offload}.device` to `cpu` (or create that folder on a local NVMe drive)"
+            if len(lacking) == 1 and "folder" in lacking[0] else f"set `zero_optimization.{offload}.device` to `cpu`")
 
 
 def _async_io_loads() -> bool:
