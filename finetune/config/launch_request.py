@@ -75,6 +75,39 @@ def fields_beside_deepspeed_file_refusal(config_file: str, deepspeed_file: str, 
         f"{'them' if len(fields) > 1 else 'it'} from that file, the JSON's \"auto\" values follow the recipe.")
 
 
+def deepspeed_json_read(text: str, named: str):
+    """A DeepSpeed JSON's text as DeepSpeed reads a config file (DeepSpeedConfig: hjson, which also takes the comments
+    and trailing commas of DeepSpeed's own examples, and refuses a key set twice), or a UserError naming `named`.
+    transformers and accelerate read JSON only; the run hands them what is read here (launch.deepspeed_config), so
+    what DeepSpeed reads trains."""
+    duplicates = []
+
+    def unique_keys(pairs):  # json and hjson keep the last of two equal keys without a word
+        duplicates.extend(key for index, (key, _) in enumerate(pairs) if key in [seen for seen, _ in pairs[:index]])
+        return dict(pairs)
+
+    try:
+        values = json.loads(text, object_pairs_hook=unique_keys)
+    except json.JSONDecodeError as error:
+        try:
+            import hjson  # DeepSpeed's own reader, installed with it
+        except ImportError:
+            hjson = None
+        try:
+            values = hjson.loads(text, object_pairs_hook=unique_keys) if hjson else None
+        except (ValueError, hjson.HjsonDecodeError):
+            values = None
+        if values is None:
+            raise UserError(f"{named}: not valid JSON at line {error.lineno}, column {error.colno} ({error.msg}); fix "
+                            f"it there.") from None
+    if duplicates:
+        listed = " and ".join(f"`{key}`" for key in dict.fromkeys(duplicates))
+        raise UserError(f"{named}: {listed} {'is' if len(set(duplicates)) == 1 else 'are'} set twice in one object "
+                        f"(DeepSpeed refuses that; transformers would keep the last without a word); keep one of "
+                        f"each.")
+    return values
+
+
 def read_deepspeed_config(config_file: str, accelerate_file: str | None = None,
                           field: str = "deepspeed_config_file") -> dict:
     """The DeepSpeed JSON accelerate hands to DeepSpeed (named in `accelerate_file`, by default the launcher's, as
@@ -83,21 +116,26 @@ def read_deepspeed_config(config_file: str, accelerate_file: str | None = None,
     with a message of its own when the training arguments are built, which is after this is called."""
     path = Path(local_or_shipped(config_file))
     if not path.is_file():
+        naming = accelerate_file or accelerate_config_file()
+        beside = Path(naming).parent / config_file  # where a path relative to the file naming it would point
+        if not Path(config_file).is_absolute() and Path(naming).is_file() and beside.is_file():
+            fix = f"write it as {beside.resolve()}, the file of that name beside {naming}"
+        else:
+            fix = ("launch from the folder it is relative to (the project root for accelerate_configs/*.yaml) or make "
+                   "it absolute")
         raise UserError(
-            f"{accelerate_file or accelerate_config_file()}: {field} {config_file} not found; paths are "
-            f"relative to where you launch, so launch from the folder it is relative to (the project root for "
-            f"accelerate_configs/*.yaml) or make it absolute."
+            f"{naming}: {field} {config_file} not found (from {Path.cwd()}: a relative path is read from the folder "
+            f"you launch in, as transformers and accelerate read it); {fix}."
         )
     exported = os.environ.get("ACCELERATE_CONFIG_DS_FIELDS", "").split(",")
     beside = [field for field in FIELDS_NOT_BESIDE_DEEPSPEED_FILE if field in exported]
     if beside:
         raise fields_beside_deepspeed_file_refusal(accelerate_file or accelerate_config_file(), config_file, beside)
     try:
-        values = json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise UserError(f"{config_file}: not valid JSON at line {error.lineno}; fix the syntax there.") from None
+        text = path.read_text()
     except UnicodeDecodeError:
         raise UserError(f"{config_file}: not UTF-8 text; save it as UTF-8.") from None
+    values = deepspeed_json_read(text, config_file)
     if not isinstance(values, dict):
         raise UserError(f"{config_file}: a DeepSpeed config is a JSON object of settings, not a "
                         f"{type(values).__name__}; write it as one, e.g. {{\"zero_optimization\": {{\"stage\": 2}}, "
@@ -105,7 +143,38 @@ def read_deepspeed_config(config_file: str, accelerate_file: str | None = None,
     if not isinstance(values.get("zero_optimization"), dict):
         raise UserError(f"{config_file}: no `zero_optimization` object, which accelerate requires; add "
                         f"\"zero_optimization\": {{\"stage\": 2}} (or the stage you want), as ds_configs/*.json have.")
+    refuse_blocks_not_objects(values, config_file)
     return values
+
+
+# The blocks of a DeepSpeed JSON that transformers, accelerate and DeepSpeed read as objects (transformers fills
+# `bf16.enabled`, `optimizer.params.lr`, ...; accelerate reads `zero_optimization.offload_param.device`), and the key
+# a lone value written in place of one stands for: `"bf16": true` fails in transformers with an AttributeError
+OBJECT_BLOCKS = {"bf16": "enabled", "fp16": "enabled", "amp": "enabled", "optimizer": None, "optimizer.params": None,
+                 "scheduler": None, "scheduler.params": None, "zero_optimization.offload_optimizer": "device",
+                 "zero_optimization.offload_param": "device", "compile": None, "tensor_parallel": None}
+
+
+def refuse_blocks_not_objects(values: dict, named: str) -> None:
+    """Every block of OBJECT_BLOCKS written as something other than an object, in one sentence, each with its fix."""
+    problems = []
+    for block, key in OBJECT_BLOCKS.items():
+        *parents, last = block.split(".")
+        node = values
+        for parent in parents:
+            node = node.get(parent) if isinstance(node, dict) else None
+        value = node.get(last) if isinstance(node, dict) else None
+        if value is None or isinstance(value, dict):
+            continue
+        shown = json.dumps(value)
+        fix = f"write it as `\"{last}\": {{\"{key}\": {shown}}}`" if key and not isinstance(value, (list, dict)) else \
+            "write it as an object (`{...}`) of its settings or remove it"
+        problems.append((f"`{block}: {shown}` is a lone value where transformers and DeepSpeed read an object", fix))
+    if len(problems) == 1:
+        raise UserError(f"{named}: {problems[0][0]}; {problems[0][1]}.")
+    if problems:
+        listed = "; ".join(f"({number}) {what}: {fix}" for number, (what, fix) in enumerate(problems, 1))
+        raise UserError(f"{named}: {len(problems)} problems, each with its fix; {listed}.")
 
 
 FSDP_V1_REFUSAL = (  # under both launchers
@@ -242,15 +311,18 @@ def read_exported_launch() -> ExportedLaunch:
     if fsdp_asked_for():
         strategy = "fsdp"
     elif deepspeed_asked_for():
-        stage = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")
+        stage = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")  # accelerate's DeepSpeedPlugin's default
         if deepspeed_config is not None:
             stage = str(deepspeed_config.get("zero_optimization", {}).get("stage", stage))
         strategy = f"zero{stage}"
     else:
         strategy = "ddp" if world_size > 1 else "single"
+    request = _request_of(arguments)
+    if request is not None:  # the file accelerate read (the default one only where it exists), or its command line
+        config_file = request.source
     return ExportedLaunch(strategy, config_file, deepspeed_file, deepspeed_config, world_size,
                           fsdp_activation_checkpointing_asked_for(),
-                          config_file if strategy not in ("ddp", "single") else None, _request_of(arguments))
+                          config_file if strategy not in ("ddp", "single") else None, request)
 
 
 def with_deepspeed_argument(launch: ExportedLaunch, asked: str | dict | None, source: str) -> ExportedLaunch:
@@ -266,13 +338,24 @@ def with_deepspeed_argument(launch: ExportedLaunch, asked: str | dict | None, so
         if not isinstance(written.get("zero_optimization"), dict):
             raise UserError(f"{source}: `deepspeed` has no `zero_optimization` object, which accelerate requires; add "
                             f"zero_optimization: {{stage: 2}} (or the stage you want) under it.")
+        refuse_blocks_not_objects(written, named)
     else:
         named = f"--deepspeed {asked}" if source == "command line" else f"{source}: `deepspeed: {asked}`"
         if launch.deepspeed_file and Path(local_or_shipped(asked)).resolve() == \
                 Path(local_or_shipped(launch.deepspeed_file)).resolve():
             return launch  # the same JSON both ways: the launch's, already read
-        written = read_deepspeed_config(asked, source, field="`deepspeed`")
+        written = read_deepspeed_config(asked, source, field="--deepspeed" if source == "command line" else "`deepspeed`")
     stage = written["zero_optimization"].get("stage", 0)
+    request = launch.request
+    if launch.asked_by is not None and launch.strategy.startswith("zero") and request is not None and \
+            request.file is None:  # `accelerate launch --use_deepspeed`: DeepSpeed asked for without a JSON
+        given = request.flags.get("zero_stage")
+        if given is None or str(given) == str(stage):  # the JSON decides, as transformers lets it
+            return replace(launch, strategy=f"zero{stage}", deepspeed_file=asked if isinstance(asked, str) else named,
+                           deepspeed_config=written, asked_by=named)
+        raise UserError(f"{request.source}: `--zero_stage {given}` asks for ZeRO-{given} while {named} asks for "
+                        f"ZeRO-{stage}, and one launch trains with one of them; remove --zero_stage {given} from the "
+                        f"accelerate launch command to train with {named}.")
     if launch.asked_by is not None:
         ours = f"`deepspeed_config_file: {launch.deepspeed_file}`" if launch.deepspeed_file else \
             f"{launch.strategy.upper()}"

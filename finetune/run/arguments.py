@@ -30,6 +30,7 @@ from finetune.config.launch_request import (
     FSDP_V1_REFUSAL,
     ExportedLaunch,
     deepspeed_config_to_train,
+    deepspeed_json_read,
     read_exported_launch,
     with_deepspeed_argument,
 )
@@ -335,8 +336,8 @@ def parse_args(argv: list[str] | None = None, found: list[UserError] | None = No
     if launch.strategy == "fsdp" and os.environ.get("FSDP_VERSION", "1") != "2":
         raise UserError(f"{launch.config_file}: {FSDP_V1_REFUSAL}")  # before the CPU shim builds FSDP1's plugin
     values, _ = parser.parse_known_args(args=argv)  # as given, before the dataclasses' __post_init__ reads them
-    launch = with_deepspeed_argument(launch, _deepspeed_asked(values.deepspeed),
-                                     "command line" if "deepspeed" in _flags_given(argv) else recipe_path)
+    deepspeed_source = "command line" if "deepspeed" in _flags_given(argv) else recipe_path
+    launch = with_deepspeed_argument(launch, _deepspeed_asked(values.deepspeed, deepspeed_source), deepspeed_source)
     to_train = deepspeed_config_to_train(launch)
     if to_train is not None:  # carried: the training arguments never read the JSON again
         parser.set_defaults(deepspeed=to_train)
@@ -409,14 +410,12 @@ def _recipe_keys(parser: TrlParser) -> set[str]:
     return {action.dest for action in patches.parser_actions(parser)} | {"env"}
 
 
-def _deepspeed_asked(value):
-    """transformers' `deepspeed` as given: a path, a mapping, or a JSON object on the command line (read here as
-    transformers reads it; JSON that does not parse is left for the training arguments, whose error names it)."""
+def _deepspeed_asked(value, source: str | None):
+    """transformers' `deepspeed` as given: a path, a mapping, or a JSON object written in place (on the command line
+    or as the recipe key's text), read as DeepSpeed reads its JSON (config/launch_request.deepspeed_json_read)."""
     if isinstance(value, str) and value.lstrip().startswith("{"):
-        try:
-            return json.loads(value)
-        except json.JSONDecodeError:
-            return None
+        named = "command line (--deepspeed)" if source == "command line" else f"{source} (`deepspeed`)"
+        return deepspeed_json_read(value, named)
     return value
 
 
