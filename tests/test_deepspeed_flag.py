@@ -58,9 +58,9 @@ def checked_as_launched(launcher: str, json_file: Path, tmp_path: Path, monkeypa
 
 
 def fixed_literally(json_file: Path, refusal: str, tmp_path: Path) -> Path:
-    """The JSON with the refusal's fix applied as written: each key it names set to "auto"."""
+    """The JSON with the refusal's fix applied as written: each key of the JSON it names set to "auto"."""
     values = json.loads(json_file.read_text())
-    for key in re.findall(r"`([\w.]+): ", refusal):
+    for key in re.findall(r"(?<!recipe's )`([\w.]+): ", refusal):
         *parents, last = key.split(".")
         node = values
         for parent in parents:
@@ -217,3 +217,191 @@ def test_deepspeeds_own_launcher_starts_two_cpu_processes_that_train_as_the_flag
     setup = printed_setup(trained(["env", "DS_ACCELERATOR=cpu", deepspeed, "--num_gpus", "2", "--master_port",
                                    str(free_port())], json_file, tmp_path / "out"))
     assert (setup["world_size"], setup["strategy"], setup["strategy_from"]) == (2, "zero2", f"--deepspeed {json_file}")
+
+
+DEEPSPEED_EXAMPLES = CONFIGS / "deepspeedexamples"
+
+
+def fixed_as_written(json_file: Path, refusal: str, tmp_path: Path) -> Path:
+    """The JSON with each fix of the refusal applied as written, problem by problem ("(1) ...: FIX; (2) ..."): the keys
+    a problem names (not the recipe's) set to "auto" or removed, a block renamed or removed, a value set."""
+    values = json.loads(json_file.read_text())
+
+    def node_of(key: str, create: bool = False):
+        *parents, last = key.split(".")
+        node = values
+        for parent in parents:
+            node = node.setdefault(parent, {}) if create else node[parent]
+        return node, last
+
+    for problem in re.split(r"; \(\d+\) ", refusal.split(": ", 1)[1]):
+        keys = re.findall(r"(?<!recipe's )`([\w.]+): ", problem)
+        if "to \"auto\"" in problem:
+            for key in keys:
+                node, last = node_of(key, create=True)
+                node[last] = "auto"
+        elif re.search(r"remove (it|them) \(DeepSpeed's default", problem):
+            for key in keys:
+                node, last = node_of(key)
+                del node[last]
+        elif "rename it to `bf16`" in problem:
+            values["bf16"] = values.pop("bfloat16")
+        elif "remove the zenflow block" in problem:
+            del values["zero_optimization"]["zenflow"]
+        for key, value in re.findall(r"set `([\w.]+)` to `(\w+)`", problem):
+            node, last = node_of(key)
+            node[last] = value
+    return write(tmp_path / f"fixed_{json_file.name}", json.dumps(values))
+
+
+# DeepSpeed JSONs of transformers' tests and DeepSpeed's examples that hard-code what the recipe decides or ask for
+# what fails after loading: (JSON, words of the one sentence naming every problem at once)
+REFUSED_EXAMPLES = [
+    *[(TRANSFORMERS / name, ["`bfloat16` is DeepSpeed's old name of the `bf16` block", "rename it to `bf16`"])
+      for name in ("ds_config_zero2_bf16.json", "ds_config_zero3_bf16.json")],
+    (DEEPSPEED_EXAMPLES / "training" / "autotuning" / "hf" / "dsconfigs" / "ds_config_z1.json",
+     ["`gradient_accumulation_steps: 1` (left out: accelerate sets it)", "set it to \"auto\""]),
+    (DEEPSPEED_EXAMPLES / "inference" / "sglang" / "ds_offload_nvme_aio.json",
+     ["3 problems, each with its fix", "`zero_optimization.offload_param.device: nvme` needs a folder for its swap "
+      "files at `nvme_path` (/local_nvme/sglang is not a folder on this machine)",
+      "set `zero_optimization.offload_param.device` to `cpu`",
+      "`zero_optimization.stage3_max_live_parameters: \"auto\"`, `zero_optimization.offload_param.buffer_size: "
+      "\"auto\"` are values that neither transformers nor accelerate fill from the run", "remove them",
+      "`train_batch_size: 1` is not the recipe's"]),
+    (DEEPSPEED_EXAMPLES / "training" / "bf16_master_weight" / "configs" / "bf16_full.json",
+     ["`train_micro_batch_size_per_gpu: 4` contradicts", "`optimizer.params.lr: 0.0001` contradicts"]),
+    (DEEPSPEED_EXAMPLES / "training" / "DeepSpeed-ZenFlow" / "finetuning" / "zf_config.json",
+     ["`zero_optimization.zenflow` asks for DeepSpeed's ZenFlow", "remove the zenflow block",
+      "`train_batch_size: 8` is not the recipe's"]),
+    (DEEPSPEED_EXAMPLES / "training" / "imagenet" / "config" / "ds_fp16_z1_config.json",
+     ["`gradient_clipping: 0` contradicts the recipe's `max_grad_norm: 1.0`", "`fp16.enabled: true`",
+      "`optimizer.params.betas: [0.8, 0.999]` contradicts"]),
+]
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+@pytest.mark.parametrize("json_file, words", REFUSED_EXAMPLES,
+                         ids=[str(case[0].relative_to(CONFIGS)) for case in REFUSED_EXAMPLES])
+def test_an_example_json_is_refused_naming_every_problem_at_once_and_trains_with_its_fixes_applied(
+        json_file, words, launcher, tmp_path, monkeypatch):
+    found = checked_as_launched(launcher, json_file, tmp_path, monkeypatch)
+    assert len(found) == 1 and found[0].startswith(f"{json_file}: "), found
+    assert all(word in found[0] for word in words), found[0]
+    fixed = fixed_as_written(json_file, found[0], tmp_path)
+    assert checked_as_launched(launcher, fixed, tmp_path, monkeypatch) == []
+
+
+COMMENTED = """{
+  // ZeRO-2, the rest as the recipe says
+  "zero_optimization": {"stage": 2, "overlap_comm": true,},
+  /* transformers fills these */
+  "gradient_accumulation_steps": "auto", "train_micro_batch_size_per_gpu": "auto",
+}
+"""
+
+
+@pytest.mark.parametrize("given", ["flag", "recipe key", "in place"])
+def test_a_json_with_comments_and_trailing_commas_trains_as_deepspeed_reads_it(given, tmp_path, monkeypatch):
+    """DeepSpeed reads its config file with hjson (DeepSpeedExamples' annotated configs carry `//` comments);
+    transformers and accelerate read JSON only, and the run hands them what it read: such a file trains."""
+    from finetune.run import arguments
+
+    json_file = write(tmp_path / "ds.json", COMMENTED)
+    if given == "in place":
+        asked = [*TINY, "--deepspeed", COMMENTED]
+    else:
+        asked, _, _ = asking_for_deepspeed(given, json_file, tmp_path)
+    asked += ["--output_dir", str(tmp_path / "out")]
+    assert checked_as_launched("torchrun", json_file, tmp_path, monkeypatch, arguments=asked) == []
+    run = arguments.parse_args(asked)
+    assert run.training.deepspeed["zero_optimization"] == {"stage": 2, "overlap_comm": True}
+    assert run.launch.strategy == "zero2"
+
+
+@pytest.mark.parametrize("content, words", [
+    ('{"zero_optimization": {"stage": 2}, "zero_optimization": {"stage": 3}}',
+     "`zero_optimization` is set twice in one object (DeepSpeed refuses that"),
+    ('{"zero_optimization": {"stage": 2 "overlap_comm": true}}',
+     "not valid JSON at line 1, column 35 (Expecting ',' delimiter)"),
+], ids=["key set twice", "broken"])
+def test_a_json_deepspeed_would_not_read_either_is_refused_naming_where(content, words, tmp_path, monkeypatch):
+    found = checked_as_launched("torchrun", write(tmp_path / "ds.json", content), tmp_path, monkeypatch)
+    assert len(found) == 1 and found[0].startswith(f"{tmp_path / 'ds.json'}: ") and words in found[0], found
+
+
+def test_a_lone_value_where_deepspeed_reads_an_object_is_refused_with_the_object_to_write(tmp_path, monkeypatch):
+    """`"bf16": "auto"` failed inside transformers' parse with an AttributeError: every such block at once."""
+    lone = {"zero_optimization": {"stage": 2, "offload_optimizer": "cpu"}, "gradient_accumulation_steps": "auto",
+            "bf16": "auto", "fp16": False}
+    found = checked_as_launched("torchrun", write(tmp_path / "ds.json", json.dumps(lone)), tmp_path, monkeypatch)
+    assert len(found) == 1 and "3 problems, each with its fix" in found[0], found
+    written = re.findall(r"write it as `(\"[\w]+\": \{.*?\})`", found[0])
+    assert written == ['"bf16": {"enabled": "auto"}', '"fp16": {"enabled": false}',
+                       '"offload_optimizer": {"device": "cpu"}'], found[0]
+    fixed = {**lone, "bf16": {"enabled": "auto"}, "fp16": {"enabled": False},
+             "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    assert checked_as_launched("torchrun", write(tmp_path / "ds.json", json.dumps(fixed)), tmp_path, monkeypatch) == []
+
+
+def test_nvme_offload_is_refused_until_its_folder_exists_on_this_machine(tmp_path, monkeypatch):
+    """DeepSpeed creates a missing nvme_path wherever it points, or fails after loading; libaio aside (it may be
+    installed), the folder is asked for before loading."""
+    from finetune.checks import launch as accelerate_checks
+
+    monkeypatch.setattr(accelerate_checks, "_async_io_loads", lambda: True)
+    nvme = {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(tmp_path / "nvme")}},
+            "gradient_accumulation_steps": "auto"}
+    found = checked_as_launched("torchrun", write(tmp_path / "ds.json", json.dumps(nvme)), tmp_path, monkeypatch)
+    assert len(found) == 1 and f"`nvme_path` ({tmp_path / 'nvme'} is not a folder on this machine)" in found[0], found
+    assert "(or create that folder on a local NVMe drive)" in found[0]
+    (tmp_path / "nvme").mkdir()
+    assert checked_as_launched("torchrun", tmp_path / "ds.json", tmp_path, monkeypatch) == []
+
+
+def test_a_path_relative_to_the_recipe_is_refused_naming_the_path_that_works(tmp_path, monkeypatch):
+    """transformers reads `deepspeed` from the folder launched in; a path written relative to the recipe's folder is
+    refused with the path to write instead."""
+    json_file = write(tmp_path / "recipes" / "ds" / "z2.json", json.dumps(
+        {"zero_optimization": {"stage": 2}, "gradient_accumulation_steps": "auto"}))
+    recipe = write(tmp_path / "recipes" / "recipe.yaml", with_keys(FULL, "deepspeed: ds/z2.json"))
+    monkeypatch.chdir(tmp_path)
+    arguments = ["--config", str(recipe), "--tiny", "--output_dir", str(tmp_path / "out")]
+    found = checked_as_launched("torchrun", json_file, tmp_path, monkeypatch, arguments=arguments)
+    assert len(found) == 1 and f"{recipe}: `deepspeed` ds/z2.json not found (from {tmp_path}" in found[0], found
+    assert f"write it as {json_file}, the file of that name beside {recipe}" in found[0], found
+    recipe.write_text(with_keys(FULL, f"deepspeed: {json_file}"))
+    assert checked_as_launched("torchrun", json_file, tmp_path, monkeypatch, arguments=arguments) == []
+
+
+def use_deepspeed_launch(monkeypatch, flags: list[str]) -> None:
+    """This process as a training process of `accelerate launch --use_deepspeed FLAGS --num_processes 2 sft.py`."""
+    from finetune.config import launch_request
+
+    arguments = ["--use_deepspeed", *flags, "--num_processes", "2", SCRIPT]
+    environment, _ = training_process_environment(arguments)
+    for name, value in {**environment, "WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(launch_request, "accelerate_launch_arguments", lambda: arguments)
+
+
+def test_accelerate_launch_use_deepspeed_trains_the_flags_json_or_refuses_a_stage_that_contradicts_it(tmp_path,
+                                                                                                    monkeypatch):
+    """`accelerate launch --use_deepspeed` asks for DeepSpeed without a JSON (ZeRO-2 unless --zero_stage says, as
+    accelerate's plugin defaults): alone it trains ZeRO-2 (it stopped after loading on "asked for zeroNone"); with
+    --deepspeed the JSON decides, as transformers lets it, unless --zero_stage asks for another stage."""
+    from finetune.run import arguments
+
+    json_file = LLAMA_FACTORY / "ds_z3_config.json"
+    use_deepspeed_launch(monkeypatch, [])
+    assert arguments.parse_args([*TINY, "--output_dir", str(tmp_path / "out")]).launch.strategy == "zero2"
+    run = arguments.parse_args([*TINY, "--deepspeed", str(json_file), "--output_dir", str(tmp_path / "out")])
+    assert (run.launch.strategy, run.launch.asked_by) == ("zero3", f"--deepspeed {json_file}")
+    use_deepspeed_launch(monkeypatch, ["--zero_stage", "3"])
+    assert problems_before_loading([*TINY, "--deepspeed", str(json_file), "--output_dir", str(tmp_path / "out")],
+                                   2) == []
+    use_deepspeed_launch(monkeypatch, ["--zero_stage", "2"])
+    found = [str(problem) for problem in problems_before_loading(
+        [*TINY, "--deepspeed", str(json_file), "--output_dir", str(tmp_path / "out")], 2)]
+    assert found == [f"the accelerate launch command line: `--zero_stage 2` asks for ZeRO-2 while --deepspeed "
+                     f"{json_file} asks for ZeRO-3, and one launch trains with one of them; remove --zero_stage 2 "
+                     f"from the accelerate launch command to train with --deepspeed {json_file}."], found

@@ -554,9 +554,9 @@ def test_every_external_config_file_is_tried_by_a_test_of_this_module(monkeypatc
     tried = {config_file(tmp_path) for _, config_file, _, _ in REFUSED_BEFORE_LAUNCH}
     tried |= {case[1] for case in CHECKED_IN_TRAINING} | {case[1] for case in CONTRADICTING_THE_RECIPE}
     tried |= {case[0] for case in DEEPSPEED_JSONS} | set(FSDP_VERSION_1_FILES)
-    from tests.test_deepspeed_flag import SHIPPED_JSONS  # transformers', LLaMA-Factory's and DeepSpeed's, as --deepspeed
+    from tests.test_deepspeed_flag import REFUSED_EXAMPLES, SHIPPED_JSONS  # as --deepspeed
 
-    tried |= {case[0] for case in SHIPPED_JSONS}
+    tried |= {case[0] for case in SHIPPED_JSONS} | {case[0] for case in REFUSED_EXAMPLES}
     shipped = {path for path in CONFIGS.rglob("*") if path.is_file() and path.name != "README.md"}
     assert not shipped - tried, f"external files no case tries: {sorted(str(p.relative_to(CONFIGS)) for p in shipped - tried)}"
     readme = (ROOT / "README.md").read_text()
