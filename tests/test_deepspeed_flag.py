@@ -405,3 +405,28 @@ def test_accelerate_launch_use_deepspeed_trains_the_flags_json_or_refuses_a_stag
     assert found == [f"the accelerate launch command line: `--zero_stage 2` asks for ZeRO-2 while --deepspeed "
                      f"{json_file} asks for ZeRO-3, and one launch trains with one of them; remove --zero_stage 2 "
                      f"from the accelerate launch command to train with --deepspeed {json_file}."], found
+
+
+def test_an_auto_value_nothing_fills_is_refused_unless_its_block_gives_way_to_the_recipe(tmp_path, monkeypatch):
+    """accelerate raises after loading on an "auto" that neither transformers nor accelerate fill; an AdamW or a
+    scheduler block is left out of the run (it gives way), its "auto" values with it."""
+    giving_way = {"zero_optimization": {"stage": 2}, "gradient_accumulation_steps": "auto",
+                  "optimizer": {"type": "AdamW", "params": {"lr": "auto", "torch_adam": "auto"}},
+                  "scheduler": {"type": "WarmupLR", "params": {"warmup_type": "auto"}}}
+    assert checked_as_launched("torchrun", write(tmp_path / "ds.json", json.dumps(giving_way)), tmp_path,
+                               monkeypatch) == []
+    unfilled = {**giving_way, "zero_optimization": {"stage": 2, "sub_group_size": "auto"}}
+    found = checked_as_launched("torchrun", write(tmp_path / "ds.json", json.dumps(unfilled)), tmp_path, monkeypatch)
+    assert found == [f"{tmp_path / 'ds.json'}: `zero_optimization.sub_group_size: \"auto\"` is a value that neither "
+                     f"transformers nor accelerate fill from the run (accelerate stops on an \"auto\" it cannot fill, "
+                     f"after loading); remove it (DeepSpeed's default then holds) or write a number."], found
+
+
+def test_bf16_in_the_json_against_bf16_false_on_the_command_line_names_the_flags_value(tmp_path, monkeypatch):
+    """On a machine without a GPU the recipe's precision as written is compared, unless the command line set it."""
+    json_file = write(tmp_path / "ds.json", json.dumps({"zero_optimization": {"stage": 1},
+                                                         "gradient_accumulation_steps": "auto", "bf16": {"enabled": True}}))
+    found = checked_as_launched("torchrun", json_file, tmp_path, monkeypatch, arguments=[
+        *TINY, "--bf16", "false", "--deepspeed", str(json_file), "--output_dir", str(tmp_path / "out")])
+    assert found == [f"{json_file}: `bf16.enabled: true` contradicts the recipe's `bf16: false`; set it to \"auto\" so "
+                     f"that the recipe decides."], found

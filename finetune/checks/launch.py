@@ -21,6 +21,7 @@ from finetune import patches
 from finetune.config.launch_request import (
     FIELDS_NOT_BESIDE_DEEPSPEED_FILE,
     LaunchRequest,
+    blocks_giving_way,
     fields_beside_deepspeed_file_refusal,
     launcher_parser,
     read_deepspeed_config,
@@ -162,8 +163,9 @@ def deepspeed_json_problems(values: dict) -> list[tuple[str, str]]:
     for offload in ("offload_optimizer", "offload_param"):
         if isinstance(zero.get(offload), dict) and zero[offload].get("device") == "nvme":
             problems.append(_nvme_problem(offload, zero[offload].get("nvme_path")))
+    dropped = ("bfloat16", *blocks_giving_way(values))  # refused above with the name to write; left out of the run
     unfilled = [key for key in _auto_keys(values) if key not in FILLED_FROM_THE_RUN and
-                not key.startswith("bfloat16.")]  # the old name, refused above with the name to write
+                key.split(".")[0] not in dropped]
     if unfilled:
         listed = ", ".join(f"`{key}: \"auto\"`" for key in unfilled)
         problems.append((f"{listed} {'is a value' if len(unfilled) == 1 else 'are values'} that neither transformers "
@@ -354,7 +356,7 @@ def asked_precision(run) -> str:
     float32 whatever they say, the recipe's value as written (TRL's default: bf16 unless fp16)."""
     training = run.training
     bf16, fp16 = bool(training.bf16), bool(training.fp16)
-    if cpu.on_cpu() and not (bf16 or fp16):
+    if cpu.on_cpu() and not (bf16 or fp16) and not {"bf16", "fp16"} & set(getattr(run, "flags", ())):
         written = run.recipe  # as the parse read it: axolotl's `bf16: auto` is already true there
         fp16 = written.get("fp16") is True
         bf16 = written.get("bf16", not fp16) is True
