@@ -430,3 +430,21 @@ def test_bf16_in_the_json_against_bf16_false_on_the_command_line_names_the_flags
         *TINY, "--bf16", "false", "--deepspeed", str(json_file), "--output_dir", str(tmp_path / "out")])
     assert found == [f"{json_file}: `bf16.enabled: true` contradicts the recipe's `bf16: false`; set it to \"auto\" so "
                      f"that the recipe decides."], found
+
+
+@pytest.mark.parametrize("given", ["flag", "recipe key"])
+def test_finetune_launch_on_gpus_lets_the_deepspeed_json_decide_instead_of_planning_a_strategy(given, tmp_path,
+                                                                                               monkeypatch, capsys):
+    """`finetune launch` without a config file plans one for the GPUs it sees (zero3.yaml for a full recipe, whose own
+    JSON the training process then refused beside --deepspeed, naming a --config_file the user never gave); asked for
+    a DeepSpeed JSON it launches accelerate_configs/ddp.yaml, which lets the JSON decide (the check above)."""
+    import torch
+
+    from finetune.commands import launch as launcher
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: pytest.fail("planned for the GPUs"))
+    arguments, _, _ = asking_for_deepspeed(given, LLAMA_FACTORY / "ds_z3_config.json", tmp_path)
+    assert launcher.planned_config(arguments, 1) == (str(ROOT / "accelerate_configs" / "ddp.yaml"), 2)
+    asked = "--deepspeed" if given == "flag" else f"`deepspeed` in {arguments[1]}"
+    assert f"launch: {asked} decides the strategy: accelerate_configs/ddp.yaml on 2 GPU(s)" in capsys.readouterr().out

@@ -128,8 +128,14 @@ def planned_config(sft_args: list[str], nodes: int) -> tuple[str | None, int]:
     if index + 1 >= len(sft_args):
         raise UserError("command line: --config needs a recipe path; pass --config recipes/MODEL/METHOD.yaml.")
     recipe, flags = sft_args[index + 1], sft_args[:index] + sft_args[index + 2:]
+    values = setup.recipe_with_flags(recipe, flags)
+    if values.get("deepspeed"):  # transformers' own DeepSpeed JSON decides under a plain multi-GPU launch
+        asked = "--deepspeed" if "--deepspeed" in flags or any(f.startswith("--deepspeed=") for f in flags) else \
+            f"`deepspeed` in {recipe}"
+        say(f"launch: {asked} decides the strategy: accelerate_configs/ddp.yaml on {gpus * nodes} GPU(s), not planned")
+        return str(shipped(memory.CONFIG_FILES["ddp"])), gpus * nodes
     memory_gib = torch.cuda.get_device_properties(0).total_memory / 2**30
-    result = choice.plan(setup.recipe_with_flags(recipe, flags), gpus=gpus, gpu=torch.cuda.get_device_name(0),
+    result = choice.plan(values, gpus=gpus, gpu=torch.cuda.get_device_name(0),
                        gpu_memory_gib=memory_gib, nodes=nodes, recipe_path=recipe)
     print(choice.format_plan(result), flush=True)
     if not result.fits:
