@@ -448,3 +448,15 @@ def test_finetune_launch_on_gpus_lets_the_deepspeed_json_decide_instead_of_plann
     assert launcher.planned_config(arguments, 1) == (str(ROOT / "accelerate_configs" / "ddp.yaml"), 2)
     asked = "--deepspeed" if given == "flag" else f"`deepspeed` in {arguments[1]}"
     assert f"launch: {asked} decides the strategy: accelerate_configs/ddp.yaml on 2 GPU(s)" in capsys.readouterr().out
+
+
+def test_a_number_written_as_text_is_refused_as_text_before_transformers_finds_it_unequal(tmp_path, monkeypatch):
+    """transformers compares `"gradient_accumulation_steps": "2"` with the recipe's 2 as a mismatch and stops once the
+    model is loaded ("ds gradient_accumulation_steps=2 vs hf gradient_accumulation_steps=2")."""
+    text = {"zero_optimization": {"stage": 2}, "gradient_accumulation_steps": "2", "train_micro_batch_size_per_gpu": 8}
+    json_file = write(tmp_path / "ds.json", json.dumps(text))
+    found = checked_as_launched("torchrun", json_file, tmp_path, monkeypatch)
+    assert found == [f"{json_file}: `gradient_accumulation_steps: \"2\"` is text, which transformers compares as "
+                     f"unequal to the recipe's `gradient_accumulation_steps: 2`; set it to \"auto\" so that the recipe "
+                     f"decides."], found
+    assert checked_as_launched("torchrun", fixed_literally(json_file, found[0], tmp_path), tmp_path, monkeypatch) == []

@@ -343,14 +343,15 @@ def check_deepspeed_agrees(run) -> None:
     structural = accelerate_checks.deepspeed_json_problems(written)
     deepspeed = {**DEEPSPEED_UNSET, **written}
     training = run.training
-    values = [f"`{key}: {deepspeed[key]}`{'' if key in written else ' (left out: accelerate sets it)'} contradicts "
-              f"the recipe's `{recipe_key}: {getattr(training, recipe_key)}`"
+    values = [f"`{key}: {_shown(deepspeed[key])}`{'' if key in written else ' (left out: accelerate sets it)'} "
+              f"{_text_or(deepspeed[key], 'contradicts')} the recipe's `{recipe_key}: {getattr(training, recipe_key)}`"
               for key, recipe_key in DEEPSPEED_RECIPE_KEYS.items()
               if not _deepspeed_value_is(deepspeed.get(key, "auto"), getattr(training, recipe_key))]
     batch = training.per_device_train_batch_size * training.gradient_accumulation_steps * run.launch.world_size
     if not _deepspeed_value_is(deepspeed.get("train_batch_size", "auto"), batch):
-        values.append(f"`train_batch_size: {deepspeed['train_batch_size']}` is not the recipe's per-device batch "
-                      f"× accumulation × processes, {batch}")
+        values.append(f"`train_batch_size: {_shown(deepspeed['train_batch_size'])}` "
+                      f"{_text_or(deepspeed['train_batch_size'], 'is not')} the recipe's per-device batch × "
+                      f"accumulation × processes, {batch}")
     asked = accelerate_checks.asked_precision(run)
     for dtype in ("bf16", "fp16"):
         enabled = str((deepspeed.get(dtype) or {}).get("enabled", "auto")).lower()
@@ -420,11 +421,23 @@ def _offloads_optimizer(written: dict) -> bool:
 
 
 def _deepspeed_value_is(value, wanted) -> bool:
-    """A JSON value agrees with the recipe's when it is "auto" or the same number."""
+    """A JSON value agrees with the recipe's when it is "auto" or the same number, written as a number: transformers
+    compares "2" with 2 as different and stops on it once the model is loaded."""
+    if isinstance(value, str):
+        return value == "auto"
     try:
-        return value == "auto" or float(value) == float(wanted)
+        return float(value) == float(wanted)
     except (TypeError, ValueError):
         return False
+
+
+def _shown(value) -> str:
+    return json.dumps(value) if isinstance(value, str) else str(value)
+
+
+def _text_or(value, verb: str) -> str:
+    """How a value that disagrees with the recipe's is said to: a number written as text is named as such."""
+    return "is text, which transformers compares as unequal to" if isinstance(value, str) else verb
 
 
 def _listed(parts: list[str]) -> str:
