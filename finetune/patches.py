@@ -264,6 +264,16 @@ says what to revisit and which test fails first.
   targets: torch 2.11 and 2.13 (`LambdaLR.get_lr` = base_lr * lr_lambda(last_epoch)).
   guarded by:
   test_preemption_single.py::test_a_resume_applies_a_new_learning_rate_when_asked_and_the_new_logging_cadence.
+- `never_ask_to_run_remote_code` (called by finetune/checks/model_folder.py `check_model`, which every path runs
+  before it loads a model, tokenizer or config)
+  does: sets `transformers.dynamic_module_utils.TIME_OUT_REMOTE_CODE` to 0, so that a config, tokenizer or model whose
+  folder names its own code (`auto_map`) loaded without `trust_remote_code` is refused (transformers' ValueError)
+  instead of asked about.
+  why: with `trust_remote_code` left unset transformers asks "Do you wish to run the custom code? [y/N]" on stdin for
+  15 s: `echo y | finetune chat FOLDER` (or a first chat line "y") imported and ran the folder's Python file. Code
+  from a model folder runs only where the user set `trust_remote_code: true`, which passes it explicitly.
+  targets: transformers 5.17-5.25 (`resolve_trust_remote_code` prompts only while TIME_OUT_REMOTE_CODE > 0).
+  guarded by: test_bad_model_folders.py::test_a_model_folder_that_needs_its_own_code_is_refused_and_its_code_never_runs.
 - `weights_only_loads` (used by finetune/checks/resume.py `read_safely` around every resume, the relaunch check's
   read of training_args.bin, and finetune/run/model.py `load_adapter`)
   does: for its duration replaces `torch.load` with a call that passes `weights_only=True` whatever its caller asked
@@ -643,6 +653,12 @@ def set_activation_memory_budget(budget: float) -> None:
     from torch._functorch import config as functorch_config
 
     functorch_config.activation_memory_budget = budget
+
+
+def never_ask_to_run_remote_code() -> None:
+    from transformers import dynamic_module_utils
+
+    dynamic_module_utils.TIME_OUT_REMOTE_CODE = 0
 
 
 def no_cpu_vector_probe() -> None:

@@ -59,6 +59,20 @@ def save_adapter(base: Path, folder: Path) -> Path:
     return folder
 
 
+def needing_its_own_code(folder: Path) -> None:
+    """config.json names a model type transformers lacks and an `auto_map` into the folder's own Python file, which
+    creates the file `code-ran` beside the folder when it is imported."""
+    settings = json.loads((folder / "config.json").read_text())
+    settings.update(model_type="evilmodel", auto_map={"AutoConfig": "evil.EvilConfig",
+                                                      "AutoModelForCausalLM": "evil.EvilModel"})
+    (folder / "config.json").write_text(json.dumps(settings))
+    (folder / "evil.py").write_text(
+        f"open({str(folder.parent / 'code-ran')!r}, 'w').close()\n"
+        "from transformers import LlamaConfig, LlamaForCausalLM\n"
+        "class EvilConfig(LlamaConfig):\n    model_type = 'evilmodel'\n"
+        "class EvilModel(LlamaForCausalLM):\n    config_class = EvilConfig\n")
+
+
 def run_folder(model: Path, folder: Path, final: bool, checkpoint_steps=(1, 2), complete_steps=(1,)) -> Path:
     """A training run's output folder: its record, its checkpoints (those of `complete_steps` with their marker), and
     the final model with its marker when `final`."""
@@ -90,6 +104,7 @@ def folders(tmp_path_factory, tiny_model_cache) -> dict[str, str]:
         "lost shard": copy_of(base, root / "lost-shard", lambda f: write(
             f / "model.safetensors.index.json", json.dumps({"weight_map": {"lm_head.weight": "model-00002.safetensors"}}))),
         "no template": copy_of(base, root / "no-template", lambda f: (f / "chat_template.jinja").unlink()),
+        "own code": copy_of(base, root / "own-code" / "model", needing_its_own_code),
         "truncated adapter": copy_of(adapter, root / "truncated-adapter",
                                      lambda f: cut_in_half(f / "adapter_model.safetensors")),
         "adapter without base": copy_of(adapter, root / "adapter-without-base", with_base(str(root / "gone"))),
@@ -438,6 +453,29 @@ def test_training_on_a_packed_expert_tensor_stored_wrong_is_one_sentence_before_
     arguments = ["--config", str(ROOT / "recipes" / "gpt-oss-20b" / "lora.yaml"), "--model_name_or_path", folder,
                  "--dataset_name", str(ROOT / "data" / "sample"), "--dequantize_mxfp4", dequantize]
     check_bad_input((damage, lambda tmp: arguments, expected_words), tmp_path, capfd, monkeypatch)
+
+
+OWN_CODE_PATHS = {**MXFP4_PATHS, "check": lambda folder, folders, tmp: [
+    "check", "--config", str(ROOT / "recipes" / "llama-3.2-1b" / "lora.yaml"), "--model_name_or_path", folder]}
+
+
+@pytest.mark.parametrize("path", OWN_CODE_PATHS)
+def test_a_model_folder_that_needs_its_own_code_is_refused_and_its_code_never_runs(path, folders, tmp_path, capfd,
+                                                                                     monkeypatch):
+    """With trust_remote_code unset, transformers asked on stdin whether to run a folder's own code: a chat whose first
+    line was "y" (`echo y | finetune chat FOLDER`) imported it. Every command refuses the folder in one sentence, and a
+    load past the check (a config, a tokenizer) refuses instead of asking (patches.never_ask_to_run_remote_code)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    folder, ran = folders["own code"], Path(folders["own code"]).parent / "code-ran"
+    monkeypatch.setattr(sys, "stdin", io.StringIO("y\n" * 10))
+    line = refusal(OWN_CODE_PATHS[path](folder, folders, tmp_path), capfd)
+    assert "config.json: `model_type: evilmodel` is unknown to transformers" in line, line
+    assert "evil.EvilModel" in line and "finetune never runs" in line, line
+    with pytest.raises(ValueError, match="trust_remote_code=True"):
+        AutoConfig.from_pretrained(folder)
+    AutoTokenizer.from_pretrained(folder)  # its own tokenizer class, read without the config it cannot build
+    assert not ran.exists(), "the model folder's own code ran"
 
 
 @pytest.mark.launches

@@ -80,6 +80,7 @@ def check_model(name: str, flag: str, base: str | None = None, base_flag: str | 
     no folder, a hub id missing from the offline cache, a damaged folder (its JSON files, its weights), a training
     run without its final model, or a LoRA adapter whose base model is any of these. Reads the JSON files and the
     weights' headers, nothing more. Returns the base model an adapter folder loads on (`base`, else its adapter_config.json's); None for a model."""
+    patches.never_ask_to_run_remote_code()
     problem = model_problem(name, flag, revision)
     if problem:
         raise UserError(problem)
@@ -169,8 +170,17 @@ def _config_problem(folder: Path) -> str | None:
 
     settings = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     model_type = settings.get("model_type")
-    if "auto_map" in settings:
-        return None  # the model's own code: loading refuses it without trust_remote_code
+    if settings.get("auto_map") and model_type not in CONFIG_MAPPING:
+        # only the folder's own code could build it: transformers would ask on stdin whether to run it
+        # (patches.never_ask_to_run_remote_code: it no longer asks, it refuses), and this toolkit never runs it
+        code = sorted({str(name) for name in (settings["auto_map"].values() if isinstance(settings["auto_map"], dict)
+                                              else [settings["auto_map"]])})
+        import transformers
+
+        return (f"{folder / 'config.json'}: `model_type: {model_type}` is unknown to transformers "
+                f"{transformers.__version__} and its `auto_map` names code of the model folder ({', '.join(code)}), "
+                f"which finetune never runs; pass a model whose type transformers has (upgrade transformers if the "
+                f"model is newer).")
     if model_type is None:  # save_pretrained always writes it: a config.json without it is not a whole one
         return f"{folder / 'config.json'}: names no `model_type`, so transformers cannot tell the model; {REMAKE}."
     if model_type not in CONFIG_MAPPING:
