@@ -59,6 +59,32 @@ def save_adapter(base: Path, folder: Path) -> Path:
     return folder
 
 
+Q_PROJ = "model.layers.0.self_attn.q_proj.weight"
+
+
+def with_tensors(change):
+    """The folder's model.safetensors rewritten whole by safetensors with `change` made to its tensors."""
+    def rewrite(folder: Path) -> None:
+        import safetensors.torch
+
+        tensors = safetensors.torch.load_file(str(folder / "model.safetensors"))
+        change(tensors)
+        safetensors.torch.save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return rewrite
+
+
+def with_overlapping_tensors(folder: Path) -> None:
+    """A header that lies: q_proj's data_offsets point at o_proj's bytes (same size), the file's length unchanged."""
+    weights = folder / "model.safetensors"
+    data = weights.read_bytes()
+    length = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + length])
+    header[Q_PROJ]["data_offsets"] = header[Q_PROJ.replace("q_proj", "o_proj")]["data_offsets"]
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    weights.write_bytes(len(text).to_bytes(8, "little") + text + data[8 + length:])
+
+
 def needing_its_own_code(folder: Path) -> None:
     """config.json names a model type transformers lacks and an `auto_map` into the folder's own Python file, which
     creates the file `code-ran` beside the folder when it is imported."""
@@ -105,6 +131,12 @@ def folders(tmp_path_factory, tiny_model_cache) -> dict[str, str]:
             f / "model.safetensors.index.json", json.dumps({"weight_map": {"lm_head.weight": "model-00002.safetensors"}}))),
         "no template": copy_of(base, root / "no-template", lambda f: (f / "chat_template.jinja").unlink()),
         "own code": copy_of(base, root / "own-code" / "model", needing_its_own_code),
+        "lost tensor": copy_of(base, root / "lost-tensor", with_tensors(lambda tensors: tensors.pop(Q_PROJ))),
+        "wrong shape": copy_of(base, root / "wrong-shape", with_tensors(
+            lambda tensors: tensors.update({Q_PROJ: tensors[Q_PROJ][:32].contiguous()}))),
+        "integer weights": copy_of(base, root / "integer-weights", with_tensors(
+            lambda tensors: tensors.update({Q_PROJ: (tensors[Q_PROJ] * 100).int()}))),
+        "lying header": copy_of(base, root / "lying-header", with_overlapping_tensors),
         "truncated adapter": copy_of(adapter, root / "truncated-adapter",
                                      lambda f: cut_in_half(f / "adapter_model.safetensors")),
         "adapter without base": copy_of(adapter, root / "adapter-without-base", with_base(str(root / "gone"))),
@@ -149,6 +181,18 @@ COMMAND_CASES = [
      ["config.json: not valid JSON", "re-download"]),
     ("chat: tokenizer.json cut short", ["chat", "{cut tokenizer}"], ["tokenizer.json: not valid JSON", "re-download"]),
     ("chat: a folder without weights", ["chat", "{no weights}"], ["holds no weights", "model.safetensors", "re-save"]),
+    ("chat: a weight no shard holds (transformers initialised it at random with a warning)", ["chat", "{lost tensor}"],
+     [f"lost-tensor/model.safetensors: holds no {Q_PROJ}", "random values", "re-download"]),
+    ("generate: a weight of the wrong shape (a traceback at load)",
+     ["generate", "{wrong shape}", "--prompts", "{prompts}", *OUT],
+     [f"{Q_PROJ} is stored as F32 [32, 64], where config.json implies [64, 64]", "re-download"]),
+    ("eval: a weight stored as integers (cast to float without a word)",
+     ["eval", "{integer weights}", "--dataset_name", "{rows}"],
+     [f"{Q_PROJ} is stored as I32 [64, 64], where config.json implies a floating type", "re-download"]),
+    ("merge: a base whose weight is missing", ["merge", "{adapter}", "{tmp}/merged", "--base_model", "{lost tensor}"],
+     [f"holds no {Q_PROJ}"]),
+    ("chat: a header whose offsets overlap (the reader's traceback at load)", ["chat", "{lying header}"],
+     ["model.safetensors has a header that does not fit its data", f"tensor {Q_PROJ} starts at byte"]),
     ("chat: an index naming a missing shard", ["chat", "{lost shard}"],
      ["model.safetensors.index.json: lists model-00002.safetensors, which is missing"]),
     ("chat: an adapter whose adapter weights are cut", ["chat", "{truncated adapter}"],
@@ -372,6 +416,10 @@ TRAINING_CASES = [
     ("training from a truncated safetensors", "truncated", ["model.safetensors is truncated", "re-download"]),
     ("training from an empty config.json", "empty config", ["config.json: empty", "re-download"]),
     ("training from a folder without weights", "no weights", ["holds no weights", "re-save"]),
+    ("training from a folder missing a weight", "lost tensor", [f"holds no {Q_PROJ}", "random values"]),
+    ("training from a weight of the wrong shape", "wrong shape", [f"{Q_PROJ} is stored as F32 [32, 64]"]),
+    ("training from a weight stored as integers", "integer weights", [f"{Q_PROJ} is stored as I32"]),
+    ("training from a header whose offsets overlap", "lying header", ["a header that does not fit its data"]),
     ("training from an adapter whose base is gone", "adapter without base",
      ["adapter_config.json: its base model cannot be loaded", "no such folder", "base_model_name_or_path"]),
     ("training from a stopped run", "stopped run", ["no complete final model", "checkpoint-1 instead"]),

@@ -211,12 +211,56 @@ def _weights_problem(folder: Path) -> str | None:
         problem = run_folder.safetensors_problem(folder / shard)
         if problem:
             return f"{folder}/{problem}; {REMAKE}."
+    headers = {folder / shard: run_folder.safetensors_header(folder / shard)[1] for shard in shards}
     if mxfp4.is_mxfp4_checkpoint(str(folder)):
         config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-        headers = {folder / shard: run_folder.safetensors_header(folder / shard)[1] for shard in shards}
         problem = mxfp4.packed_problem(config, headers)
         if problem:
             return f"{problem}; {REMAKE}."
+    problem = _tensors_problem(folder, headers, index if index.is_file() else folder / WEIGHTS)
+    return f"{problem}; {REMAKE}." if problem else None
+
+
+FLOATING = {"F16", "BF16", "F32", "F64"}
+
+
+def _tensors_problem(folder: Path, headers: dict[Path, dict], weights: Path) -> str | None:
+    """The model's weights (a skeleton built from config.json on the meta device) against the safetensors headers:
+    a weight no shard holds, which transformers would initialise at random with only a warning, one stored in
+    another shape (a traceback at load), a floating weight stored as integers (cast without a word). Left to the
+    load: a checkpoint quantized otherwise than MXFP4 (its tensors are not the model's weights), one whose names
+    follow another scheme (transformers renames them as it loads), an MXFP4 expert weight (`mxfp4.packed_problem`)."""
+    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    quantized = (config.get("quantization_config") or {}).get("quant_method")
+    skeleton = None if quantized not in (None, "mxfp4") else _skeleton(str(folder))
+    if skeleton is None:
+        return None
+    stored = {name: (shard, entry) for shard, header in headers.items() for name, entry in header.items()
+              if name != "__metadata__"}
+    prefix = f"{skeleton.base_model_prefix}."
+    names_of = {}  # each weight (tied weights are one) and its names
+    for name, tensor in skeleton.named_parameters(remove_duplicate=False):  # buffers are rebuilt, or left to the load
+        names_of.setdefault(id(tensor), (tensor, []))[1].append(name)
+
+    def found(names):
+        return next((stored[key] + (key,) for name in names for key in (name, name.removeprefix(prefix))
+                     if key in stored), None)
+
+    weights_found = [(tensor, names, found(names)) for tensor, names in names_of.values()]
+    if sum(1 for *_, where in weights_found if where) * 2 < len(weights_found):
+        return None  # another naming scheme
+    missing = [names[0] for tensor, names, where in weights_found
+               if where is None and found([f"{name}_blocks" for name in names]) is None]
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        return (f"{weights}: holds no {missing[0]}{more}, which transformers would fill with random values (a model "
+                f"trained from it would train on them without a word)")
+    for tensor, names, (shard, entry, key) in ((t, n, w) for t, n, w in weights_found if w):
+        shape = list(tensor.shape)
+        if entry.get("shape") != shape or (tensor.is_floating_point() and entry.get("dtype") not in FLOATING
+                                           and quantized is None):
+            wanted = "a floating type" if entry.get("shape") == shape else shape
+            return f"{shard}: {key} is stored as {entry.get('dtype')} {entry.get('shape')}, where config.json implies {wanted}"
     return None
 
 
