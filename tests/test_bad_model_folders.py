@@ -73,6 +73,20 @@ def with_tensors(change):
     return rewrite
 
 
+LORA_A = f"base_model.model.{Q_PROJ.removesuffix('.weight')}.lora_A.weight"
+
+
+def with_adapter_tensors(change):
+    """The adapter's adapter_model.safetensors rewritten whole with `change` made to its tensors."""
+    def rewrite(folder: Path) -> None:
+        import safetensors.torch
+
+        tensors = safetensors.torch.load_file(str(folder / "adapter_model.safetensors"))
+        change(tensors)
+        safetensors.torch.save_file(tensors, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+    return rewrite
+
+
 def with_overlapping_tensors(folder: Path) -> None:
     """A header that lies: q_proj's data_offsets point at o_proj's bytes (same size), the file's length unchanged."""
     weights = folder / "model.safetensors"
@@ -137,6 +151,15 @@ def folders(tmp_path_factory, tiny_model_cache) -> dict[str, str]:
         "integer weights": copy_of(base, root / "integer-weights", with_tensors(
             lambda tensors: tensors.update({Q_PROJ: (tensors[Q_PROJ] * 100).int()}))),
         "lying header": copy_of(base, root / "lying-header", with_overlapping_tensors),
+        "adapter missing a tensor": copy_of(adapter, root / "adapter-missing-a-tensor", with_adapter_tensors(
+            lambda tensors: tensors.pop(LORA_A.replace("lora_A", "lora_B")))),
+        "adapter of another rank": copy_of(adapter, root / "adapter-of-another-rank", with_adapter_tensors(
+            lambda tensors: tensors.update({LORA_A: tensors[LORA_A].repeat(2, 1)}))),
+        "adapter of a deeper model": copy_of(adapter, root / "adapter-of-a-deeper-model", with_adapter_tensors(
+            lambda tensors: tensors.update({LORA_A.replace("layers.0", "layers.7"): tensors[LORA_A].clone()}))),
+        "adapter of other layers": copy_of(adapter, root / "adapter-of-other-layers", lambda f: write(
+            f / "adapter_config.json", json.dumps({**json.loads((f / "adapter_config.json").read_text()),
+                                                   "target_modules": ["query_key_value"]}))),
         "truncated adapter": copy_of(adapter, root / "truncated-adapter",
                                      lambda f: cut_in_half(f / "adapter_model.safetensors")),
         "adapter without base": copy_of(adapter, root / "adapter-without-base", with_base(str(root / "gone"))),
@@ -193,6 +216,18 @@ COMMAND_CASES = [
      [f"holds no {Q_PROJ}"]),
     ("chat: a header whose offsets overlap (the reader's traceback at load)", ["chat", "{lying header}"],
      ["model.safetensors has a header that does not fit its data", f"tensor {Q_PROJ} starts at byte"]),
+    ("chat: an adapter missing a tensor (peft warned and left it untrained)", ["chat", "{adapter missing a tensor}"],
+     [f"holds no {LORA_A.replace('lora_A', 'lora_B')}", "untrained initial value", "re-save the adapter"]),
+    ("merge: an adapter missing a tensor (merged in untrained)", ["merge", "{adapter missing a tensor}", "{tmp}/merged"],
+     [f"holds no {LORA_A.replace('lora_A', 'lora_B')}", "a merge would write it in"]),
+    ("chat: an adapter of another rank than its adapter_config.json", ["chat", "{adapter of another rank}"],
+     [f"{LORA_A} is [8, 64] in the adapter and [4, 64]", "another `r`", "--base"]),
+    ("eval: an adapter holding a layer its base lacks (dropped without a word)",
+     ["eval", "{adapter of a deeper model}", "--dataset_name", "{rows}"],
+     [f"holds {LORA_A.replace('layers.0', 'layers.7')}, which no layer of", "trained on another model", "--base"]),
+    ("merge: an adapter whose target_modules match no layer (peft's traceback)",
+     ["merge", "{adapter of other layers}", "{tmp}/merged"],
+     ["adapter_config.json: its `target_modules` ['query_key_value'] match no layer", "--base_model"]),
     ("chat: an index naming a missing shard", ["chat", "{lost shard}"],
      ["model.safetensors.index.json: lists model-00002.safetensors, which is missing"]),
     ("chat: an adapter whose adapter weights are cut", ["chat", "{truncated adapter}"],
@@ -420,6 +455,7 @@ TRAINING_CASES = [
     ("training from a weight of the wrong shape", "wrong shape", [f"{Q_PROJ} is stored as F32 [32, 64]"]),
     ("training from a weight stored as integers", "integer weights", [f"{Q_PROJ} is stored as I32"]),
     ("training from a header whose offsets overlap", "lying header", ["a header that does not fit its data"]),
+    ("training from an adapter missing a tensor", "adapter missing a tensor", ["untrained initial value"]),
     ("training from an adapter whose base is gone", "adapter without base",
      ["adapter_config.json: its base model cannot be loaded", "no such folder", "base_model_name_or_path"]),
     ("training from a stopped run", "stopped run", ["no complete final model", "checkpoint-1 instead"]),

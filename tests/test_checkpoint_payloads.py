@@ -148,3 +148,27 @@ def test_a_payload_in_a_dcp_metadata_file_never_runs_through_torchs_own_loader(c
     with pytest.raises(UserError) as refused, resume.read_safely(checkpoint):
         dcp.load(loaded, checkpoint_id=sharded, no_dist=True)
     assert_refused_without_running(refused.value, planted, marker, str(checkpoint.parent / "checkpoint-1"))
+
+
+def test_a_checkpoint_adapter_missing_a_tensor_is_one_line_naming_it_and_the_checkpoint_before(checkpointed_run,
+                                                                                               tmp_path):
+    """The Trainer loads a checkpoint's adapter with strict=False: a lora_B tensor missing (the marker rewritten, as a
+    checkpoint copied or damaged after its save arrives) resumed with its untrained zeros and a warning. Checked from
+    the safetensors header against the base, as every model folder is, before loading."""
+    import safetensors.torch
+
+    import finetune
+
+    output_dir = shutil.copytree(checkpointed_run, tmp_path / "out")
+    weights = output_dir / "checkpoint-2" / "adapter_model.safetensors"
+    tensors = safetensors.torch.load_file(str(weights))
+    lost = next(name for name in sorted(tensors) if ".lora_B." in name)
+    del tensors[lost]
+    safetensors.torch.save_file(tensors, str(weights), metadata={"format": "pt"})
+    looks_complete(weights)
+    with pytest.raises(UserError) as refused:
+        finetune.train(config=LORA, max_steps=3, output_dir=str(output_dir), **LORA_ARGS)
+    sentence = str(refused.value)
+    assert sentence.startswith(f"{weights}: holds no {lost}, which peft would leave at its untrained"), sentence
+    assert sentence.endswith(f"resume from {output_dir / 'checkpoint-1'} instead (--resume_from_checkpoint "
+                             f"{output_dir / 'checkpoint-1'}).") and "\n" not in sentence, sentence

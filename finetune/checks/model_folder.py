@@ -100,6 +100,9 @@ def check_model(name: str, flag: str, base: str | None = None, base_flag: str | 
     if (Path(base).expanduser() / ADAPTER_CONFIG).is_file():  # transformers would load it with its own adapter on
         raise UserError(f"{base}: a LoRA adapter, not the base model of {name}, which would then carry two adapters; "
                         f"pass {base_flag or 'base_model_name_or_path'} the model it was trained on.")
+    problem = _adapter_fit_problem(adapter_config.parent, base, base_flag or "base_model_name_or_path")
+    if problem:
+        raise UserError(problem)
     return base
 
 
@@ -270,6 +273,50 @@ def _adapter_weights_problem(folder: Path) -> str | None:
         return f"{folder}: holds no adapter weights ({ADAPTER_WEIGHTS[0]}); {REMAKE_ADAPTER}."
     problem = run_folder.safetensors_problem(weights) if weights.suffix == ".safetensors" else None
     return f"{folder}/{problem}; {REMAKE_ADAPTER}." if problem else None
+
+
+def _adapter_fit_problem(folder: Path, base: str, base_flag: str) -> str | None:
+    """The adapter's tensors (its safetensors header) against those peft would load into its base: the base's skeleton
+    on the meta device with the adapter_config.json's adapter put on it. peft loads a missing tensor with a warning
+    (the layer keeps its untrained initial value, and a merge writes it in), drops a tensor of a layer the base lacks
+    without a word, casts integer tensors, and ends in a traceback when `target_modules` match no layer. Left to the
+    load: an adapter peft cannot put on the skeleton for another reason, or one in a pickled adapter_model.bin."""
+    weights = folder / ADAPTER_WEIGHTS[0]
+    skeleton = _skeleton(base) if weights.is_file() else None
+    if skeleton is None:
+        return None
+    from peft import PeftConfig, get_peft_model, get_peft_model_state_dict
+
+    try:
+        config = PeftConfig.from_pretrained(str(folder))
+        with torch.device("meta"):
+            wanted = get_peft_model_state_dict(get_peft_model(skeleton, config))
+    except ValueError as error:
+        if type(error).__name__ != "NoMatchingPeftModuleError":
+            return None
+        return (f"{folder / ADAPTER_CONFIG}: its `target_modules` {sorted(config.target_modules or [])} match no layer "
+                f"of {base}, so it was trained on another model; pass the model it was trained on to {base_flag}.")
+    except Exception:
+        return None
+    stored = {key: entry for key, entry in run_folder.safetensors_header(weights)[1].items() if key != "__metadata__"}
+    missing = sorted(set(wanted) - set(stored))
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        return (f"{weights}: holds no {missing[0]}{more}, which peft would leave at its untrained initial value (a "
+                f"merge would write it in); {REMAKE_ADAPTER}.")
+    extra = sorted(set(stored) - set(wanted))
+    if extra:
+        return (f"{weights}: holds {extra[0]}, which no layer of {base} takes (peft would drop it without a word), so "
+                f"it was trained on another model; pass the model it was trained on to {base_flag}.")
+    for key, tensor in wanted.items():
+        entry = stored[key]
+        if entry.get("shape") != list(tensor.shape):
+            return (f"{weights}: {key} is {entry.get('shape')} in the adapter and {list(tensor.shape)} on {base} "
+                    f"with its adapter_config.json, so it was trained on another model or another `r`; pass the model "
+                    f"it was trained on to {base_flag}.")
+        if tensor.is_floating_point() and entry.get("dtype") not in FLOATING:
+            return f"{weights}: {key} is stored as {entry.get('dtype')}, not a floating type; {REMAKE_ADAPTER}."
+    return None
 
 
 def _skeleton(model_path: str, attn_implementation: str | None = None):

@@ -202,6 +202,27 @@ def fall_back(checkpoint: Path) -> str:
             f"leave out --resume_from_checkpoint) to train from the start")
 
 
+def check_checkpoint_weights(checkpoint: Path) -> None:
+    """A checkpoint's weights (a full model's, or a LoRA adapter's against its base) checked from their safetensors
+    headers as every model folder's are (finetune/checks/model_folder.py `check_model`): the Trainer loads them with
+    strict=False, so a tensor missing from a checkpoint copied or damaged after its save would resume without a word
+    (the base's value, or the adapter's untrained one). Sharded states (ZeRO, FSDP) are left to their readers."""
+    from finetune.checks import model_folder
+
+    full = (checkpoint / "config.json").is_file() and any(
+        (checkpoint / name).is_file() for name in (model_folder.WEIGHTS, model_folder.WEIGHTS_INDEX))
+    adapter = (checkpoint / model_folder.ADAPTER_CONFIG).is_file() and \
+        (checkpoint / model_folder.ADAPTER_WEIGHTS[0]).is_file() and \
+        isinstance(read_object(checkpoint / model_folder.ADAPTER_CONFIG).get("base_model_name_or_path"), str)
+    if not (full or adapter):  # the run's own base is checked as it loads
+        return
+    try:
+        model_folder.check_model(str(checkpoint), "--resume_from_checkpoint")
+    except UserError as problem:
+        what = str(problem).rsplit("; ", 1)[0]  # the fix a model folder gets: a checkpoint has another
+        raise UserError(f"{what}; {fall_back(checkpoint)}.") from None
+
+
 def check_trainer_state(run, checkpoint: Path) -> None:
     """A checkpoint's trainer_state.json must agree with its folder and the run: the Trainer resumes at its
     `global_step` whatever the folder's name, and from a step beyond max_steps trains nothing and saves the run as
