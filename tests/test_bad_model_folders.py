@@ -131,6 +131,8 @@ def run_folder(model: Path, folder: Path, final: bool, checkpoint_steps=(1, 2), 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory, tiny_model_cache) -> dict[str, str]:
+    import torch
+
     root = tmp_path_factory.mktemp("model-folders")
     base = copy_of(tiny.tiny_model_folder("llama"), root / "base")
     adapter = save_adapter(base, root / "adapter")
@@ -151,6 +153,10 @@ def folders(tmp_path_factory, tiny_model_cache) -> dict[str, str]:
         "integer weights": copy_of(base, root / "integer-weights", with_tensors(
             lambda tensors: tensors.update({Q_PROJ: (tensors[Q_PROJ] * 100).int()}))),
         "lying header": copy_of(base, root / "lying-header", with_overlapping_tensors),
+        "nan weights": copy_of(base, root / "nan-weights", with_tensors(
+            lambda tensors: tensors[Q_PROJ].view(-1)[7:9].copy_(torch.tensor([float("nan"), float("inf")])))),
+        "adapter of nan weights": copy_of(adapter, root / "adapter-of-nan-weights", with_adapter_tensors(
+            lambda tensors: tensors[LORA_A].fill_(float("nan")))),
         "adapter missing a tensor": copy_of(adapter, root / "adapter-missing-a-tensor", with_adapter_tensors(
             lambda tensors: tensors.pop(LORA_A.replace("lora_A", "lora_B")))),
         "adapter of another rank": copy_of(adapter, root / "adapter-of-another-rank", with_adapter_tensors(
@@ -414,6 +420,38 @@ def refusal_after_loading(arguments: list[str], capfd) -> str:
     errors = [line for line in err.splitlines() if line.startswith("error: ")]
     assert code == 2 and len(errors) == 1 and "Traceback" not in err, err[-3000:]
     return errors[0]
+
+
+NAN_CASES = {  # `finetune` arguments, the folder named and the tensor
+    "chat": (["chat", "{nan weights}"], "nan weights", Q_PROJ),
+    "generate": (["generate", "{nan weights}", "--prompts", "{prompts}", *OUT], "nan weights", Q_PROJ),
+    "eval: an adapter's tensor": (["eval", "{adapter of nan weights}", "--dataset_name", "{rows}"],
+                                  "adapter of nan weights", "lora_A"),
+    "merge: an adapter's tensor": (["merge", "{adapter of nan weights}", "{tmp}/merged"], "adapter of nan weights",
+                                   "lora_A"),
+}
+
+
+@pytest.mark.parametrize("case", NAN_CASES)
+def test_weights_holding_nan_or_inf_are_one_sentence_once_loaded_by_every_command(case, folders, tmp_path, capfd):
+    """The headers do not tell them: read once loaded, one float32 sum per tensor. A run trained on them logged its
+    loss as 0 and saved, exit 0."""
+    arguments, folder, tensor = NAN_CASES[case]
+    sentence = refusal_after_loading([argument.format(tmp=tmp_path, **folders) for argument in arguments], capfd)
+    assert sentence.startswith(f"error: {folders[folder]}: ") and "holds NaN or infinite values" in sentence, sentence
+    assert tensor in sentence and ("re-save the adapter" if "adapter" in case else "re-download") in sentence, sentence
+    assert not (tmp_path / "merged").exists() and not (tmp_path / "answers.jsonl").exists()
+
+
+def test_training_on_weights_holding_nan_is_one_sentence_and_saves_nothing(folders, tmp_path):
+    import finetune
+
+    with pytest.raises(UserError, match=f"nan-weights: {Q_PROJ} holds NaN or infinite values"):
+        finetune.train(config=str(ROOT / "recipes" / "llama-3.2-1b" / "lora.yaml"),
+                       model_name_or_path=folders["nan weights"], dataset_name=str(ROOT / "data" / "sample"),
+                       max_steps=1, output_dir=str(tmp_path / "out"), report_to="none", eval_strategy="no",
+                       eval_samples_before_after=0)
+    assert not (tmp_path / "out" / "finetune_final.json").exists()
 
 
 @pytest.mark.parametrize("name", ["finished run", "finished LoRA run", "base"])
