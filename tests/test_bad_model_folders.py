@@ -99,6 +99,20 @@ def with_overlapping_tensors(folder: Path) -> None:
     weights.write_bytes(len(text).to_bytes(8, "little") + text + data[8 + length:])
 
 
+def with_a_shard_left_out_of_the_index(folder: Path) -> None:
+    """Two shards, the second (model.norm.weight) beside the first but not in the index: transformers reads only the
+    shards the index lists."""
+    import safetensors.torch
+
+    tensors = safetensors.torch.load_file(str(folder / "model.safetensors"))
+    (folder / "model.safetensors").unlink()
+    norm = {"model.norm.weight": tensors.pop("model.norm.weight")}
+    safetensors.torch.save_file(tensors, str(folder / "model-00001-of-00002.safetensors"), metadata={"format": "pt"})
+    safetensors.torch.save_file(norm, str(folder / "model-00002-of-00002.safetensors"), metadata={"format": "pt"})
+    write(folder / "model.safetensors.index.json",
+          json.dumps({"weight_map": {name: "model-00001-of-00002.safetensors" for name in tensors}}))
+
+
 def needing_its_own_code(folder: Path) -> None:
     """config.json names a model type transformers lacks and an `auto_map` into the folder's own Python file, which
     creates the file `code-ran` beside the folder when it is imported."""
@@ -153,6 +167,7 @@ def folders(tmp_path_factory, tiny_model_cache) -> dict[str, str]:
         "integer weights": copy_of(base, root / "integer-weights", with_tensors(
             lambda tensors: tensors.update({Q_PROJ: (tensors[Q_PROJ] * 100).int()}))),
         "lying header": copy_of(base, root / "lying-header", with_overlapping_tensors),
+        "shard left out": copy_of(base, root / "shard-left-out", with_a_shard_left_out_of_the_index),
         "nan weights": copy_of(base, root / "nan-weights", with_tensors(
             lambda tensors: tensors[Q_PROJ].view(-1)[7:9].copy_(torch.tensor([float("nan"), float("inf")])))),
         "adapter of nan weights": copy_of(adapter, root / "adapter-of-nan-weights", with_adapter_tensors(
@@ -234,6 +249,9 @@ COMMAND_CASES = [
     ("merge: an adapter whose target_modules match no layer (peft's traceback)",
      ["merge", "{adapter of other layers}", "{tmp}/merged"],
      ["adapter_config.json: its `target_modules` ['query_key_value'] match no layer", "--base_model"]),
+    ("chat: an index leaving out the shard of a weight (transformers initialised it at random)",
+     ["chat", "{shard left out}"],
+     ["model.safetensors.index.json: lists no shard holding model.norm.weight", "random values"]),
     ("chat: an index naming a missing shard", ["chat", "{lost shard}"],
      ["model.safetensors.index.json: lists model-00002.safetensors, which is missing"]),
     ("chat: an adapter whose adapter weights are cut", ["chat", "{truncated adapter}"],

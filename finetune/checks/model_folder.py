@@ -256,7 +256,8 @@ def _tensors_problem(folder: Path, headers: dict[Path, dict], weights: Path) -> 
                if where is None and found([f"{name}_blocks" for name in names]) is None]
     if missing:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
-        return (f"{weights}: holds no {missing[0]}{more}, which transformers would fill with random values (a model "
+        holds = "lists no shard holding" if weights.name == WEIGHTS_INDEX else "holds no"
+        return (f"{weights}: {holds} {missing[0]}{more}, which transformers would fill with random values (a model "
                 f"trained from it would train on them without a word)")
     for tensor, names, (shard, entry, key) in ((t, n, w) for t, n, w in weights_found if w):
         shape = list(tensor.shape)
