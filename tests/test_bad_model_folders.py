@@ -87,6 +87,16 @@ def with_adapter_tensors(change):
     return rewrite
 
 
+def with_pickled_adapter(folder: Path) -> None:
+    """adapter_model.bin (torch.save of its tensors) in place of adapter_model.safetensors, as older peft wrote it."""
+    import safetensors.torch
+    import torch
+
+    weights = folder / "adapter_model.safetensors"
+    torch.save(safetensors.torch.load_file(str(weights)), folder / "adapter_model.bin")
+    weights.unlink()
+
+
 def with_overlapping_tensors(folder: Path) -> None:
     """A header that lies: q_proj's data_offsets point at o_proj's bytes (same size), the file's length unchanged."""
     weights = folder / "model.safetensors"
@@ -168,6 +178,7 @@ def folders(tmp_path_factory, tiny_model_cache) -> dict[str, str]:
             lambda tensors: tensors.update({Q_PROJ: (tensors[Q_PROJ] * 100).int()}))),
         "lying header": copy_of(base, root / "lying-header", with_overlapping_tensors),
         "shard left out": copy_of(base, root / "shard-left-out", with_a_shard_left_out_of_the_index),
+        "pickled adapter": copy_of(adapter, root / "pickled-adapter", with_pickled_adapter),
         "nan weights": copy_of(base, root / "nan-weights", with_tensors(
             lambda tensors: tensors[Q_PROJ].view(-1)[7:9].copy_(torch.tensor([float("nan"), float("inf")])))),
         "adapter of nan weights": copy_of(adapter, root / "adapter-of-nan-weights", with_adapter_tensors(
@@ -472,7 +483,7 @@ def test_training_on_weights_holding_nan_is_one_sentence_and_saves_nothing(folde
     assert not (tmp_path / "out" / "finetune_final.json").exists()
 
 
-@pytest.mark.parametrize("name", ["finished run", "finished LoRA run", "base"])
+@pytest.mark.parametrize("name", ["finished run", "finished LoRA run", "base", "pickled adapter"])
 def test_a_finished_run_and_a_plain_model_folder_keep_working(name, folders, monkeypatch, capfd):
     monkeypatch.setattr(sys, "stdin", io.StringIO("Repeat: red fish\n"))
     assert cli.main(["chat", folders[name], "--max_new_tokens", "2"]) == 0, capfd.readouterr().err[-3000:]
@@ -512,6 +523,8 @@ TRAINING_CASES = [
     ("training from a weight stored as integers", "integer weights", [f"{Q_PROJ} is stored as I32"]),
     ("training from a header whose offsets overlap", "lying header", ["a header that does not fit its data"]),
     ("training from an adapter missing a tensor", "adapter missing a tensor", ["untrained initial value"]),
+    ("training from an adapter in adapter_model.bin (`check` passed it, the load failed)", "pickled adapter",
+     ["pickled-adapter: holds its adapter as adapter_model.bin only", "re-save the adapter"]),
     ("training from an adapter whose base is gone", "adapter without base",
      ["adapter_config.json: its base model cannot be loaded", "no such folder", "base_model_name_or_path"]),
     ("training from a stopped run", "stopped run", ["no complete final model", "checkpoint-1 instead"]),

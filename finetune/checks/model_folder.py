@@ -27,6 +27,12 @@ def resolve_model_path(run) -> str:
         path = str(tiny.tiny_model_folder(family, run.finetune.tiny_width))
     else:
         check_model(name, "--model_name_or_path", revision=revision)  # first: it names a missing or damaged config.json
+        adapter = Path(name).expanduser()
+        if (adapter / ADAPTER_CONFIG).is_file() and not (adapter / ADAPTER_WEIGHTS[0]).is_file():
+            raise UserError(f"{adapter}: holds its adapter as {ADAPTER_WEIGHTS[1]} only, a pickle, which training "
+                            f"never reads (it loads safetensors only; chat, generate, eval and merge read it "
+                            f"weights-only); re-save the adapter with save_pretrained, which writes "
+                            f"{ADAPTER_WEIGHTS[0]}.")
         family_of_run(run)
         path = name
     check_fsdp_wrap(path, name, run.launch)
