@@ -631,6 +631,33 @@ def test_a_model_folder_that_needs_its_own_code_is_refused_and_its_code_never_ru
     assert not ran.exists(), "the model folder's own code ran"
 
 
+MXFP4_LOST = {  # the tensors taken out of the tiny MXFP4 checkpoint, and the one the sentence names
+    "router": (["model.layers.0.mlp.router.weight"], "model.layers.0.mlp.router.weight"),
+    "packed experts": (["model.layers.1.mlp.experts.down_proj_blocks", "model.layers.1.mlp.experts.down_proj_scales"],
+                       "model.layers.1.mlp.experts.down_proj_blocks"),
+}
+
+
+@pytest.mark.parametrize("lost", MXFP4_LOST)
+def test_an_mxfp4_checkpoint_missing_a_weight_is_named_before_loading(lost, folders, tmp_path, capfd):
+    """GPT-OSS as it ships: a weight no shard holds (the packed experts with both their blocks and scales) is named
+    as for any model, from the headers against config.json."""
+    import safetensors.torch
+
+    from benchmarks import mxfp4_checkpoints
+
+    source = mxfp4_checkpoints.tiny_checkpoint()
+    folder = copy_of(source, tmp_path / "mxfp4")
+    index = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+    names, named = MXFP4_LOST[lost]
+    for name in names:
+        tensors = safetensors.torch.load_file(str(folder / index[name]))
+        del tensors[name]
+        safetensors.torch.save_file(tensors, str(folder / index[name]), metadata={"format": "pt"})
+    line = refusal(MXFP4_PATHS["check"](str(folder), folders, tmp_path), capfd)
+    assert f"model.safetensors.index.json: lists no shard holding {named}, which transformers would fill" in line, line
+
+
 @pytest.mark.launches
 def test_the_console_command_reads_a_pipe_that_is_not_utf8_as_one_sentence(folders, tmp_path):
     """The real `finetune chat` with a byte that is not UTF-8 on its stdin, as `printf 'hi\\xff\\n' |` gives it."""

@@ -258,7 +258,9 @@ def _tensors_problem(folder: Path, headers: dict[Path, dict], weights: Path) -> 
     weights_found = [(tensor, names, found(names)) for tensor, names in names_of.values()]
     if sum(1 for *_, where in weights_found if where) * 2 < len(weights_found):
         return None  # another naming scheme
-    missing = [names[0] for tensor, names, where in weights_found
+    packed = mxfp4.packed_shapes(config) if quantized == "mxfp4" else {}
+    missing = [f"{names[0]}_blocks" if f"{names[0].rsplit('.', 1)[-1]}_blocks" in packed else names[0]
+               for tensor, names, where in weights_found
                if where is None and found([f"{name}_blocks" for name in names]) is None]
     if missing:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
