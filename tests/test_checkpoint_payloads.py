@@ -172,3 +172,23 @@ def test_a_checkpoint_adapter_missing_a_tensor_is_one_line_naming_it_and_the_che
     assert sentence.startswith(f"{weights}: holds no {lost}, which peft would leave at its untrained"), sentence
     assert sentence.endswith(f"resume from {output_dir / 'checkpoint-1'} instead (--resume_from_checkpoint "
                              f"{output_dir / 'checkpoint-1'}).") and "\n" not in sentence, sentence
+
+
+def test_a_checkpoint_adapter_holding_nan_is_one_line_naming_it_and_the_checkpoint_before(checkpointed_run, tmp_path):
+    """Loaded by the Trainer after the model's own check: a resumed run trained on NaN and logged its loss as 0."""
+    import safetensors.torch
+
+    import finetune
+
+    output_dir = shutil.copytree(checkpointed_run, tmp_path / "out")
+    weights = output_dir / "checkpoint-2" / "adapter_model.safetensors"
+    tensors = safetensors.torch.load_file(str(weights))
+    damaged = sorted(tensors)[0]
+    tensors[damaged].view(-1)[3] = float("nan")
+    safetensors.torch.save_file(tensors, str(weights), metadata={"format": "pt"})
+    looks_complete(weights)
+    with pytest.raises(UserError) as refused:
+        finetune.train(config=LORA, max_steps=3, output_dir=str(output_dir), **LORA_ARGS)
+    assert str(refused.value) == (f"{weights}: {damaged} holds NaN or infinite values, so the resumed run would train "
+                                  f"on NaN (its loss logged as 0); resume from {output_dir / 'checkpoint-1'} instead "
+                                  f"(--resume_from_checkpoint {output_dir / 'checkpoint-1'}).")
