@@ -177,6 +177,8 @@ def folders(tmp_path_factory, tiny_model_cache) -> dict[str, str]:
         "integer weights": copy_of(base, root / "integer-weights", with_tensors(
             lambda tensors: tensors.update({Q_PROJ: (tensors[Q_PROJ] * 100).int()}))),
         "lying header": copy_of(base, root / "lying-header", with_overlapping_tensors),
+        "index of pickles": copy_of(base, root / "index-of-pickles", lambda f: write(
+            f / "model.safetensors.index.json", json.dumps({"weight_map": {Q_PROJ: "pytorch_model-00001.bin"}}))),
         "shard left out": copy_of(base, root / "shard-left-out", with_a_shard_left_out_of_the_index),
         "pickled adapter": copy_of(adapter, root / "pickled-adapter", with_pickled_adapter),
         "nan weights": copy_of(base, root / "nan-weights", with_tensors(
@@ -263,6 +265,8 @@ COMMAND_CASES = [
     ("chat: an index leaving out the shard of a weight (transformers initialised it at random)",
      ["chat", "{shard left out}"],
      ["model.safetensors.index.json: lists no shard holding model.norm.weight", "random values"]),
+    ("chat: an index of pickled shards (read as a truncated safetensors)", ["chat", "{index of pickles}"],
+     ["model.safetensors.index.json: lists pytorch_model-00001.bin, which is not a .safetensors file", "never unpickles"]),
     ("chat: an index naming a missing shard", ["chat", "{lost shard}"],
      ["model.safetensors.index.json: lists model-00002.safetensors, which is missing"]),
     ("chat: an adapter whose adapter weights are cut", ["chat", "{truncated adapter}"],

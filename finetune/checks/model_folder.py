@@ -215,6 +215,9 @@ def _weights_problem(folder: Path) -> str | None:
         found = f"only {', '.join(pickled)}, which this toolkit never unpickles" if pickled else "no weights"
         return f"{folder}: holds {found} (no {WEIGHTS} or {WEIGHTS_INDEX}); {REMAKE} (it writes safetensors)."
     for shard in shards:
+        if not shard.endswith(".safetensors"):
+            return (f"{index}: lists {shard}, which is not a .safetensors file (a pickle this toolkit never "
+                    f"unpickles); {REMAKE} (it writes safetensors).")
         if not (folder / shard).is_file():
             return f"{index}: lists {shard}, which is missing; {REMAKE}."
         problem = run_folder.safetensors_problem(folder / shard)
