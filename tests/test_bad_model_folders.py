@@ -179,6 +179,8 @@ def folders(tmp_path_factory, tiny_model_cache) -> dict[str, str]:
         "lying header": copy_of(base, root / "lying-header", with_overlapping_tensors),
         "index of pickles": copy_of(base, root / "index-of-pickles", lambda f: write(
             f / "model.safetensors.index.json", json.dumps({"weight_map": {Q_PROJ: "pytorch_model-00001.bin"}}))),
+        "config of fewer layers": copy_of(base, root / "config-of-fewer-layers", lambda f: write(
+            f / "config.json", json.dumps({**json.loads((f / "config.json").read_text()), "num_hidden_layers": 1}))),
         "shard left out": copy_of(base, root / "shard-left-out", with_a_shard_left_out_of_the_index),
         "pickled adapter": copy_of(adapter, root / "pickled-adapter", with_pickled_adapter),
         "nan weights": copy_of(base, root / "nan-weights", with_tensors(
@@ -267,6 +269,10 @@ COMMAND_CASES = [
      ["model.safetensors.index.json: lists no shard holding model.norm.weight", "random values"]),
     ("chat: an index of pickled shards (read as a truncated safetensors)", ["chat", "{index of pickles}"],
      ["model.safetensors.index.json: lists pytorch_model-00001.bin, which is not a .safetensors file", "never unpickles"]),
+    ("chat: a config.json of fewer layers than its weights (transformers dropped the rest with a warning)",
+     ["chat", "{config of fewer layers}"],
+     ["model.safetensors: holds model.layers.1.input_layernorm.weight, a weight the model of its config.json does not "
+      "have", "re-download"]),
     ("chat: an index naming a missing shard", ["chat", "{lost shard}"],
      ["model.safetensors.index.json: lists model-00002.safetensors, which is missing"]),
     ("chat: an adapter whose adapter weights are cut", ["chat", "{truncated adapter}"],

@@ -4,6 +4,7 @@ match nothing are refused here instead of after loading."""
 
 import json
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -270,6 +271,15 @@ def _tensors_problem(folder: Path, headers: dict[Path, dict], weights: Path) -> 
         holds = "lists no shard holding" if weights.name == WEIGHTS_INDEX else "holds no"
         return (f"{weights}: {holds} {missing[0]}{more}, which transformers would fill with random values (a model "
                 f"trained from it would train on them without a word)")
+    taken = {key for _, names in names_of.values() for name in names
+             for key in (name, name.removeprefix(prefix), f"{name}_blocks", f"{name}_scales")}
+    ignored = [re.compile(pattern) for pattern in getattr(skeleton, "_keys_to_ignore_on_load_unexpected", None) or []]
+    dropped = sorted(name for name in stored if name not in taken and name.endswith((".weight", ".bias"))
+                     and not any(pattern.search(name) for pattern in ignored))
+    if dropped:  # a config.json that describes a smaller model than its weights (fewer layers, no bias)
+        shard = stored[dropped[0]][0]
+        return (f"{shard}: holds {dropped[0]}, a weight the model of its config.json does not have (transformers "
+                f"would drop it with a warning), so config.json does not describe these weights")
     for tensor, names, (shard, entry, key) in ((t, n, w) for t, n, w in weights_found if w):
         shape = list(tensor.shape)
         if entry.get("shape") != shape or (tensor.is_floating_point() and entry.get("dtype") not in FLOATING
