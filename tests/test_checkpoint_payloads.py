@@ -192,3 +192,34 @@ def test_a_checkpoint_adapter_holding_nan_is_one_line_naming_it_and_the_checkpoi
     assert str(refused.value) == (f"{weights}: {damaged} holds NaN or infinite values, so the resumed run would train "
                                   f"on NaN (its loss logged as 0); resume from {output_dir / 'checkpoint-1'} instead "
                                   f"(--resume_from_checkpoint {output_dir / 'checkpoint-1'}).")
+
+
+class CallsAllowedClass:
+    """Unpickled, it calls an allowed class with arguments of its own (REDUCE), as no checkpoint file does."""
+
+    def __init__(self, cls, *args):
+        self.cls, self.args = cls, args
+
+    def __reduce__(self):
+        return (self.cls, self.args)
+
+
+def test_a_file_calling_an_allowed_class_never_runs_its_init(checkpointed_run, tmp_path, monkeypatch):
+    """The classes a checkpoint may build (SFTConfig, TrainingArguments, PartialState, DeepSpeed's configs) are rebuilt
+    from their state, as their pickles do; a file that calls one with arguments of its own gets an instance made
+    without its `__init__` (TrainingArguments' reads DeepSpeed files and sets the environment). The Trainer's own
+    training_args.bin still reads whole."""
+    import torch
+    from transformers import TrainingArguments
+
+    marker = tmp_path / "init-ran"
+    monkeypatch.setattr(TrainingArguments, "__post_init__", lambda self: marker.write_text(str(self.output_dir)))
+    planted = tmp_path / "training_args.bin"
+    torch.save(CallsAllowedClass(TrainingArguments, "chosen-by-the-file"), planted)
+    checkpoint = checkpointed_run / "checkpoint-2"
+    with resume.read_safely(checkpoint):
+        built = torch.load(planted)
+        saved = torch.load(checkpoint / "training_args.bin")
+    assert type(built) is TrainingArguments and built.output_dir != "chosen-by-the-file"
+    assert not marker.exists(), "the allowed class's __init__ ran with the file's arguments"
+    assert saved.output_dir == str(checkpointed_run) and saved.max_steps == 2
