@@ -264,6 +264,16 @@ says what to revisit and which test fails first.
   targets: torch 2.11 and 2.13 (`LambdaLR.get_lr` = base_lr * lr_lambda(last_epoch)).
   guarded by:
   test_preemption_single.py::test_a_resume_applies_a_new_learning_rate_when_asked_and_the_new_logging_cadence.
+- `never_ask_to_run_remote_code` (called by finetune/checks/model_folder.py `check_model`, which every path runs
+  before it loads a model, tokenizer or config)
+  does: sets `transformers.dynamic_module_utils.TIME_OUT_REMOTE_CODE` to 0, so that a config, tokenizer or model whose
+  folder names its own code (`auto_map`) loaded without `trust_remote_code` is refused (transformers' ValueError)
+  instead of asked about.
+  why: with `trust_remote_code` left unset transformers asks "Do you wish to run the custom code? [y/N]" on stdin for
+  15 s: `echo y | finetune chat FOLDER` (or a first chat line "y") imported and ran the folder's Python file. Code
+  from a model folder runs only where the user set `trust_remote_code: true`, which passes it explicitly.
+  targets: transformers 5.17-5.25 (`resolve_trust_remote_code` prompts only while TIME_OUT_REMOTE_CODE > 0).
+  guarded by: test_bad_model_folders.py::test_a_model_folder_that_needs_its_own_code_is_refused_and_its_code_never_runs.
 - `weights_only_loads` (used by finetune/checks/resume.py `read_safely` around every resume, the relaunch check's
   read of training_args.bin, and finetune/run/model.py `load_adapter`)
   does: for its duration replaces `torch.load` with a call that passes `weights_only=True` whatever its caller asked
@@ -271,7 +281,11 @@ says what to revisit and which test fails first.
   `FileSystemReader.read_metadata` (which unpickles `.metadata` with plain `pickle.load`, through the module's
   `pickle` name) unpickle with Python's unpickler restricted to the globals torch's weights-only unpickler allows
   (its private `_get_allowed_globals`: tensors, torch.Size, dtypes, containers) and the caller's fixed list of
-  classes, which torch.load gets through `torch.serialization.safe_globals`. A file either refuses goes to the
+  classes, which torch.load gets through `torch.serialization.safe_globals`. Under each listed class's name both
+  unpicklers find a stand-in (`_built_without_init`; enums, numpy and pathlib types are left as they are) that makes
+  an instance with `cls.__new__(cls)` as a pickle of an instance does, so that a file calling the class with
+  arguments of its own (REDUCE) never runs its `__init__`; the class itself is listed under a name no file uses, for
+  torch's check of the instances it builds. A file either refuses goes to the
   caller's `refusal(file, error)` (one sentence), raised where the block ends: on its way there it passes through
   the libraries as a BaseException, which DCP's `except Exception` (logging a traceback, trying a rank's own
   metadata) lets through and its gather of every rank's failure carries.
@@ -282,6 +296,7 @@ says what to revisit and which test fails first.
   targets: torch 2.11 and 2.13 (`torch.load`, `FileSystemReader.read_metadata`, `_get_allowed_globals`),
   deepspeed 0.18-0.19 (`TorchCheckpointEngine.load` calls `torch.load`), transformers 5.17-5.25, peft 0.21.
   guarded by: test_safety.py::test_a_payload_in_any_checkpoint_file_is_refused_in_one_line_and_never_runs,
+  test_checkpoint_payloads.py (every kind of file; test_a_file_calling_an_allowed_class_never_runs_its_init),
   test_distributed.py (every strategy resumes its real checkpoints under it).
 - `deepspeed_collectives_without_compiled_op`
   does: marks DeepSpeed's shared-memory collectives op (`deepspeed_shm_comm`) as not buildable in
@@ -645,6 +660,12 @@ def set_activation_memory_budget(budget: float) -> None:
     functorch_config.activation_memory_budget = budget
 
 
+def never_ask_to_run_remote_code() -> None:
+    from transformers import dynamic_module_utils
+
+    dynamic_module_utils.TIME_OUT_REMOTE_CODE = 0
+
+
 def no_cpu_vector_probe() -> None:
     from torch._inductor import config as inductor_config
 
@@ -753,6 +774,26 @@ class _AllowedGlobalsOnly(pickle.Unpickler):
         return found
 
 
+def _built_without_init(cls):
+    """What the unpicklers find under `cls`'s name: the class itself where calling it is harmless (an enum, a numpy or
+    pathlib type), else a stand-in that makes an instance of `cls` without running its `__init__`. A pickle of an
+    instance rebuilds it as `cls.__new__(cls)` and its state (NEWOBJ, BUILD), which the stand-in does the same; a
+    pickle that calls the class with arguments of its own (REDUCE) would otherwise run its `__init__` with them
+    (TrainingArguments' `__post_init__` reads DeepSpeed files and sets the environment; PartialState sets up
+    processes), and gets an instance made without it."""
+    import enum
+
+    if not isinstance(cls, type) or issubclass(cls, enum.Enum) or cls.__module__.split(".")[0] in ("numpy", "pathlib"):
+        return cls
+
+    class BuiltWithoutInit:
+        def __new__(stand_in, *args, **kwargs):
+            return cls.__new__(cls)
+
+    BuiltWithoutInit.__qualname__ = BuiltWithoutInit.__name__ = f"{cls.__name__}BuiltWithoutInit"
+    return BuiltWithoutInit
+
+
 class _Refused(BaseException):
     """A file refused, on its way out through the libraries reading it: DCP logs an Exception with its traceback and
     tries another file, and gathers every rank's failure into one CheckpointException; weights_only_loads raises the
@@ -789,14 +830,19 @@ def weights_only_loads(allowed: list, refusal):
         except (pickle.UnpicklingError, *UNREADABLE) as error:
             refuse(Path(reader.path) / ".metadata", error)
 
-    allowed_globals = {**_weights_only_unpickler._get_allowed_globals(),
-                       **{f"{cls.__module__}.{cls.__qualname__}": cls for cls in allowed}}
+    by_name = {f"{cls.__module__}.{cls.__qualname__}": _built_without_init(cls) for cls in allowed}
+    allowed_globals = {**_weights_only_unpickler._get_allowed_globals(), **by_name}
     weights_only_pickle = types.SimpleNamespace(**vars(pickle))
     weights_only_pickle.load = lambda file, **_: _AllowedGlobalsOnly(file, allowed_globals).load()
     torch.load, filesystem.FileSystemReader.read_metadata = load_weights_only, read_metadata_weights_only
     filesystem.pickle = weights_only_pickle
+    # torch's unpickler finds a class by name (the stand-in) and builds an instance only of a type among the values
+    # (the class itself, under a name no file uses)
+    listed = [*((found, name) for name, found in by_name.items()),
+              *((cls, f"finetune.patches.built.{name}") for name, cls in zip(by_name, allowed)
+                if by_name[name] is not cls)]
     try:
-        with torch.serialization.safe_globals(allowed):
+        with torch.serialization.safe_globals(listed):
             yield
     except BaseException:
         if refused:

@@ -80,6 +80,44 @@ def safetensors_header(path: Path) -> tuple[int, dict] | None:
         return header_length, json.loads(handle.read(header_length))
 
 
+# Bytes per element of each safetensors dtype (the format's own list); a dtype not here is left to the reader
+SAFETENSORS_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "I16": 2, "U16": 2,
+                           "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+
+
+def _offsets_problem(header: dict) -> str | None:
+    """Where a header's tensors do not tile the data as the safetensors reader requires: each tensor's bytes the size
+    its dtype and shape take, one after another from byte 0 without gaps or overlaps. The reader refuses such a file
+    only when it loads, in a traceback (`invalid offset for tensor`)."""
+    entries = []
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            begin, end = (int(offset) for offset in entry["data_offsets"])
+            shape = [int(size) for size in entry["shape"]]
+        except (KeyError, TypeError, ValueError):
+            return f"tensor {name} has no readable shape and data_offsets"
+        size = SAFETENSORS_DTYPE_BYTES.get(entry.get("dtype"))
+        if size is not None and end - begin != size * _product(shape):
+            return (f"tensor {name} takes bytes {begin}-{end}, where {entry.get('dtype')} {shape} takes "
+                    f"{size * _product(shape)}")
+        entries.append((begin, end, name))
+    position = 0
+    for begin, end, name in sorted(entries):
+        if begin != position:
+            return f"tensor {name} starts at byte {begin}, where the tensor before it ends at {position}"
+        position = end
+    return None
+
+
+def _product(shape: list[int]) -> int:
+    result = 1
+    for size in shape:
+        result *= size
+    return result
+
+
 def safetensors_problem(path: Path) -> str | None:
     """Why a .safetensors file cannot be read whole (truncated, bad header), or None."""
     size = path.stat().st_size
@@ -90,6 +128,9 @@ def safetensors_problem(path: Path) -> str | None:
     if read is None:
         return f"{path.name} is truncated ({size} bytes, shorter than its own header)"
     header_length, header = read
+    problem = _offsets_problem(header)
+    if problem:
+        return f"{path.name} has a header that does not fit its data ({problem})"
     data_end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"), default=0)
     expected = 8 + header_length + data_end
     if size < expected:

@@ -59,6 +59,84 @@ def save_adapter(base: Path, folder: Path) -> Path:
     return folder
 
 
+Q_PROJ = "model.layers.0.self_attn.q_proj.weight"
+
+
+def with_tensors(change):
+    """The folder's model.safetensors rewritten whole by safetensors with `change` made to its tensors."""
+    def rewrite(folder: Path) -> None:
+        import safetensors.torch
+
+        tensors = safetensors.torch.load_file(str(folder / "model.safetensors"))
+        change(tensors)
+        safetensors.torch.save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return rewrite
+
+
+LORA_A = f"base_model.model.{Q_PROJ.removesuffix('.weight')}.lora_A.weight"
+
+
+def with_adapter_tensors(change):
+    """The adapter's adapter_model.safetensors rewritten whole with `change` made to its tensors."""
+    def rewrite(folder: Path) -> None:
+        import safetensors.torch
+
+        tensors = safetensors.torch.load_file(str(folder / "adapter_model.safetensors"))
+        change(tensors)
+        safetensors.torch.save_file(tensors, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+    return rewrite
+
+
+def with_pickled_adapter(folder: Path) -> None:
+    """adapter_model.bin (torch.save of its tensors) in place of adapter_model.safetensors, as older peft wrote it."""
+    import safetensors.torch
+    import torch
+
+    weights = folder / "adapter_model.safetensors"
+    torch.save(safetensors.torch.load_file(str(weights)), folder / "adapter_model.bin")
+    weights.unlink()
+
+
+def with_overlapping_tensors(folder: Path) -> None:
+    """A header that lies: q_proj's data_offsets point at o_proj's bytes (same size), the file's length unchanged."""
+    weights = folder / "model.safetensors"
+    data = weights.read_bytes()
+    length = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + length])
+    header[Q_PROJ]["data_offsets"] = header[Q_PROJ.replace("q_proj", "o_proj")]["data_offsets"]
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    weights.write_bytes(len(text).to_bytes(8, "little") + text + data[8 + length:])
+
+
+def with_a_shard_left_out_of_the_index(folder: Path) -> None:
+    """Two shards, the second (model.norm.weight) beside the first but not in the index: transformers reads only the
+    shards the index lists."""
+    import safetensors.torch
+
+    tensors = safetensors.torch.load_file(str(folder / "model.safetensors"))
+    (folder / "model.safetensors").unlink()
+    norm = {"model.norm.weight": tensors.pop("model.norm.weight")}
+    safetensors.torch.save_file(tensors, str(folder / "model-00001-of-00002.safetensors"), metadata={"format": "pt"})
+    safetensors.torch.save_file(norm, str(folder / "model-00002-of-00002.safetensors"), metadata={"format": "pt"})
+    write(folder / "model.safetensors.index.json",
+          json.dumps({"weight_map": {name: "model-00001-of-00002.safetensors" for name in tensors}}))
+
+
+def needing_its_own_code(folder: Path) -> None:
+    """config.json names a model type transformers lacks and an `auto_map` into the folder's own Python file, which
+    creates the file `code-ran` beside the folder when it is imported."""
+    settings = json.loads((folder / "config.json").read_text())
+    settings.update(model_type="evilmodel", auto_map={"AutoConfig": "evil.EvilConfig",
+                                                      "AutoModelForCausalLM": "evil.EvilModel"})
+    (folder / "config.json").write_text(json.dumps(settings))
+    (folder / "evil.py").write_text(
+        f"open({str(folder.parent / 'code-ran')!r}, 'w').close()\n"
+        "from transformers import LlamaConfig, LlamaForCausalLM\n"
+        "class EvilConfig(LlamaConfig):\n    model_type = 'evilmodel'\n"
+        "class EvilModel(LlamaForCausalLM):\n    config_class = EvilConfig\n")
+
+
 def run_folder(model: Path, folder: Path, final: bool, checkpoint_steps=(1, 2), complete_steps=(1,)) -> Path:
     """A training run's output folder: its record, its checkpoints (those of `complete_steps` with their marker), and
     the final model with its marker when `final`."""
@@ -77,6 +155,8 @@ def run_folder(model: Path, folder: Path, final: bool, checkpoint_steps=(1, 2), 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory, tiny_model_cache) -> dict[str, str]:
+    import torch
+
     root = tmp_path_factory.mktemp("model-folders")
     base = copy_of(tiny.tiny_model_folder("llama"), root / "base")
     adapter = save_adapter(base, root / "adapter")
@@ -90,6 +170,32 @@ def folders(tmp_path_factory, tiny_model_cache) -> dict[str, str]:
         "lost shard": copy_of(base, root / "lost-shard", lambda f: write(
             f / "model.safetensors.index.json", json.dumps({"weight_map": {"lm_head.weight": "model-00002.safetensors"}}))),
         "no template": copy_of(base, root / "no-template", lambda f: (f / "chat_template.jinja").unlink()),
+        "own code": copy_of(base, root / "own-code" / "model", needing_its_own_code),
+        "lost tensor": copy_of(base, root / "lost-tensor", with_tensors(lambda tensors: tensors.pop(Q_PROJ))),
+        "wrong shape": copy_of(base, root / "wrong-shape", with_tensors(
+            lambda tensors: tensors.update({Q_PROJ: tensors[Q_PROJ][:32].contiguous()}))),
+        "integer weights": copy_of(base, root / "integer-weights", with_tensors(
+            lambda tensors: tensors.update({Q_PROJ: (tensors[Q_PROJ] * 100).int()}))),
+        "lying header": copy_of(base, root / "lying-header", with_overlapping_tensors),
+        "index of pickles": copy_of(base, root / "index-of-pickles", lambda f: write(
+            f / "model.safetensors.index.json", json.dumps({"weight_map": {Q_PROJ: "pytorch_model-00001.bin"}}))),
+        "config of fewer layers": copy_of(base, root / "config-of-fewer-layers", lambda f: write(
+            f / "config.json", json.dumps({**json.loads((f / "config.json").read_text()), "num_hidden_layers": 1}))),
+        "shard left out": copy_of(base, root / "shard-left-out", with_a_shard_left_out_of_the_index),
+        "pickled adapter": copy_of(adapter, root / "pickled-adapter", with_pickled_adapter),
+        "nan weights": copy_of(base, root / "nan-weights", with_tensors(
+            lambda tensors: tensors[Q_PROJ].view(-1)[7:9].copy_(torch.tensor([float("nan"), float("inf")])))),
+        "adapter of nan weights": copy_of(adapter, root / "adapter-of-nan-weights", with_adapter_tensors(
+            lambda tensors: tensors[LORA_A].fill_(float("nan")))),
+        "adapter missing a tensor": copy_of(adapter, root / "adapter-missing-a-tensor", with_adapter_tensors(
+            lambda tensors: tensors.pop(LORA_A.replace("lora_A", "lora_B")))),
+        "adapter of another rank": copy_of(adapter, root / "adapter-of-another-rank", with_adapter_tensors(
+            lambda tensors: tensors.update({LORA_A: tensors[LORA_A].repeat(2, 1)}))),
+        "adapter of a deeper model": copy_of(adapter, root / "adapter-of-a-deeper-model", with_adapter_tensors(
+            lambda tensors: tensors.update({LORA_A.replace("layers.0", "layers.7"): tensors[LORA_A].clone()}))),
+        "adapter of other layers": copy_of(adapter, root / "adapter-of-other-layers", lambda f: write(
+            f / "adapter_config.json", json.dumps({**json.loads((f / "adapter_config.json").read_text()),
+                                                   "target_modules": ["query_key_value"]}))),
         "truncated adapter": copy_of(adapter, root / "truncated-adapter",
                                      lambda f: cut_in_half(f / "adapter_model.safetensors")),
         "adapter without base": copy_of(adapter, root / "adapter-without-base", with_base(str(root / "gone"))),
@@ -134,6 +240,39 @@ COMMAND_CASES = [
      ["config.json: not valid JSON", "re-download"]),
     ("chat: tokenizer.json cut short", ["chat", "{cut tokenizer}"], ["tokenizer.json: not valid JSON", "re-download"]),
     ("chat: a folder without weights", ["chat", "{no weights}"], ["holds no weights", "model.safetensors", "re-save"]),
+    ("chat: a weight no shard holds (transformers initialised it at random with a warning)", ["chat", "{lost tensor}"],
+     [f"lost-tensor/model.safetensors: holds no {Q_PROJ}", "random values", "re-download"]),
+    ("generate: a weight of the wrong shape (a traceback at load)",
+     ["generate", "{wrong shape}", "--prompts", "{prompts}", *OUT],
+     [f"{Q_PROJ} is stored as F32 [32, 64], where config.json implies [64, 64]", "re-download"]),
+    ("eval: a weight stored as integers (cast to float without a word)",
+     ["eval", "{integer weights}", "--dataset_name", "{rows}"],
+     [f"{Q_PROJ} is stored as I32 [64, 64], where config.json implies a floating type", "re-download"]),
+    ("merge: a base whose weight is missing", ["merge", "{adapter}", "{tmp}/merged", "--base_model", "{lost tensor}"],
+     [f"holds no {Q_PROJ}"]),
+    ("chat: a header whose offsets overlap (the reader's traceback at load)", ["chat", "{lying header}"],
+     ["model.safetensors has a header that does not fit its data", f"tensor {Q_PROJ} starts at byte"]),
+    ("chat: an adapter missing a tensor (peft warned and left it untrained)", ["chat", "{adapter missing a tensor}"],
+     [f"holds no {LORA_A.replace('lora_A', 'lora_B')}", "untrained initial value", "re-save the adapter"]),
+    ("merge: an adapter missing a tensor (merged in untrained)", ["merge", "{adapter missing a tensor}", "{tmp}/merged"],
+     [f"holds no {LORA_A.replace('lora_A', 'lora_B')}", "a merge would write it in"]),
+    ("chat: an adapter of another rank than its adapter_config.json", ["chat", "{adapter of another rank}"],
+     [f"{LORA_A} is [8, 64] in the adapter and [4, 64]", "another `r`", "--base"]),
+    ("eval: an adapter holding a layer its base lacks (dropped without a word)",
+     ["eval", "{adapter of a deeper model}", "--dataset_name", "{rows}"],
+     [f"holds {LORA_A.replace('layers.0', 'layers.7')}, which no layer of", "trained on another model", "--base"]),
+    ("merge: an adapter whose target_modules match no layer (peft's traceback)",
+     ["merge", "{adapter of other layers}", "{tmp}/merged"],
+     ["adapter_config.json: its `target_modules` ['query_key_value'] match no layer", "--base_model"]),
+    ("chat: an index leaving out the shard of a weight (transformers initialised it at random)",
+     ["chat", "{shard left out}"],
+     ["model.safetensors.index.json: lists no shard holding model.norm.weight", "random values"]),
+    ("chat: an index of pickled shards (read as a truncated safetensors)", ["chat", "{index of pickles}"],
+     ["model.safetensors.index.json: lists pytorch_model-00001.bin, which is not a .safetensors file", "never unpickles"]),
+    ("chat: a config.json of fewer layers than its weights (transformers dropped the rest with a warning)",
+     ["chat", "{config of fewer layers}"],
+     ["model.safetensors: holds model.layers.1.input_layernorm.weight, a weight the model of its config.json does not "
+      "have", "re-download"]),
     ("chat: an index naming a missing shard", ["chat", "{lost shard}"],
      ["model.safetensors.index.json: lists model-00002.safetensors, which is missing"]),
     ("chat: an adapter whose adapter weights are cut", ["chat", "{truncated adapter}"],
@@ -322,7 +461,39 @@ def refusal_after_loading(arguments: list[str], capfd) -> str:
     return errors[0]
 
 
-@pytest.mark.parametrize("name", ["finished run", "finished LoRA run", "base"])
+NAN_CASES = {  # `finetune` arguments, the folder named and the tensor
+    "chat": (["chat", "{nan weights}"], "nan weights", Q_PROJ),
+    "generate": (["generate", "{nan weights}", "--prompts", "{prompts}", *OUT], "nan weights", Q_PROJ),
+    "eval: an adapter's tensor": (["eval", "{adapter of nan weights}", "--dataset_name", "{rows}"],
+                                  "adapter of nan weights", "lora_A"),
+    "merge: an adapter's tensor": (["merge", "{adapter of nan weights}", "{tmp}/merged"], "adapter of nan weights",
+                                   "lora_A"),
+}
+
+
+@pytest.mark.parametrize("case", NAN_CASES)
+def test_weights_holding_nan_or_inf_are_one_sentence_once_loaded_by_every_command(case, folders, tmp_path, capfd):
+    """The headers do not tell them: read once loaded, one float32 sum per tensor. A run trained on them logged its
+    loss as 0 and saved, exit 0."""
+    arguments, folder, tensor = NAN_CASES[case]
+    sentence = refusal_after_loading([argument.format(tmp=tmp_path, **folders) for argument in arguments], capfd)
+    assert sentence.startswith(f"error: {folders[folder]}: ") and "holds NaN or infinite values" in sentence, sentence
+    assert tensor in sentence and ("re-save the adapter" if "adapter" in case else "re-download") in sentence, sentence
+    assert not (tmp_path / "merged").exists() and not (tmp_path / "answers.jsonl").exists()
+
+
+def test_training_on_weights_holding_nan_is_one_sentence_and_saves_nothing(folders, tmp_path):
+    import finetune
+
+    with pytest.raises(UserError, match=f"nan-weights: {Q_PROJ} holds NaN or infinite values"):
+        finetune.train(config=str(ROOT / "recipes" / "llama-3.2-1b" / "lora.yaml"),
+                       model_name_or_path=folders["nan weights"], dataset_name=str(ROOT / "data" / "sample"),
+                       max_steps=1, output_dir=str(tmp_path / "out"), report_to="none", eval_strategy="no",
+                       eval_samples_before_after=0)
+    assert not (tmp_path / "out" / "finetune_final.json").exists()
+
+
+@pytest.mark.parametrize("name", ["finished run", "finished LoRA run", "base", "pickled adapter"])
 def test_a_finished_run_and_a_plain_model_folder_keep_working(name, folders, monkeypatch, capfd):
     monkeypatch.setattr(sys, "stdin", io.StringIO("Repeat: red fish\n"))
     assert cli.main(["chat", folders[name], "--max_new_tokens", "2"]) == 0, capfd.readouterr().err[-3000:]
@@ -357,6 +528,13 @@ TRAINING_CASES = [
     ("training from a truncated safetensors", "truncated", ["model.safetensors is truncated", "re-download"]),
     ("training from an empty config.json", "empty config", ["config.json: empty", "re-download"]),
     ("training from a folder without weights", "no weights", ["holds no weights", "re-save"]),
+    ("training from a folder missing a weight", "lost tensor", [f"holds no {Q_PROJ}", "random values"]),
+    ("training from a weight of the wrong shape", "wrong shape", [f"{Q_PROJ} is stored as F32 [32, 64]"]),
+    ("training from a weight stored as integers", "integer weights", [f"{Q_PROJ} is stored as I32"]),
+    ("training from a header whose offsets overlap", "lying header", ["a header that does not fit its data"]),
+    ("training from an adapter missing a tensor", "adapter missing a tensor", ["untrained initial value"]),
+    ("training from an adapter in adapter_model.bin (`check` passed it, the load failed)", "pickled adapter",
+     ["pickled-adapter: holds its adapter as adapter_model.bin only", "re-save the adapter"]),
     ("training from an adapter whose base is gone", "adapter without base",
      ["adapter_config.json: its base model cannot be loaded", "no such folder", "base_model_name_or_path"]),
     ("training from a stopped run", "stopped run", ["no complete final model", "checkpoint-1 instead"]),
@@ -438,6 +616,56 @@ def test_training_on_a_packed_expert_tensor_stored_wrong_is_one_sentence_before_
     arguments = ["--config", str(ROOT / "recipes" / "gpt-oss-20b" / "lora.yaml"), "--model_name_or_path", folder,
                  "--dataset_name", str(ROOT / "data" / "sample"), "--dequantize_mxfp4", dequantize]
     check_bad_input((damage, lambda tmp: arguments, expected_words), tmp_path, capfd, monkeypatch)
+
+
+OWN_CODE_PATHS = {**MXFP4_PATHS, "check": lambda folder, folders, tmp: [
+    "check", "--config", str(ROOT / "recipes" / "llama-3.2-1b" / "lora.yaml"), "--model_name_or_path", folder]}
+
+
+@pytest.mark.parametrize("path", OWN_CODE_PATHS)
+def test_a_model_folder_that_needs_its_own_code_is_refused_and_its_code_never_runs(path, folders, tmp_path, capfd,
+                                                                                     monkeypatch):
+    """With trust_remote_code unset, transformers asked on stdin whether to run a folder's own code: a chat whose first
+    line was "y" (`echo y | finetune chat FOLDER`) imported it. Every command refuses the folder in one sentence, and a
+    load past the check (a config, a tokenizer) refuses instead of asking (patches.never_ask_to_run_remote_code)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    folder, ran = folders["own code"], Path(folders["own code"]).parent / "code-ran"
+    monkeypatch.setattr(sys, "stdin", io.StringIO("y\n" * 10))
+    line = refusal(OWN_CODE_PATHS[path](folder, folders, tmp_path), capfd)
+    assert "config.json: `model_type: evilmodel` is unknown to transformers" in line, line
+    assert "evil.EvilModel" in line and "finetune never runs" in line, line
+    with pytest.raises(ValueError, match="trust_remote_code=True"):
+        AutoConfig.from_pretrained(folder)
+    AutoTokenizer.from_pretrained(folder)  # its own tokenizer class, read without the config it cannot build
+    assert not ran.exists(), "the model folder's own code ran"
+
+
+MXFP4_LOST = {  # the tensors taken out of the tiny MXFP4 checkpoint, and the one the sentence names
+    "router": (["model.layers.0.mlp.router.weight"], "model.layers.0.mlp.router.weight"),
+    "packed experts": (["model.layers.1.mlp.experts.down_proj_blocks", "model.layers.1.mlp.experts.down_proj_scales"],
+                       "model.layers.1.mlp.experts.down_proj_blocks"),
+}
+
+
+@pytest.mark.parametrize("lost", MXFP4_LOST)
+def test_an_mxfp4_checkpoint_missing_a_weight_is_named_before_loading(lost, folders, tmp_path, capfd):
+    """GPT-OSS as it ships: a weight no shard holds (the packed experts with both their blocks and scales) is named
+    as for any model, from the headers against config.json."""
+    import safetensors.torch
+
+    from benchmarks import mxfp4_checkpoints
+
+    source = mxfp4_checkpoints.tiny_checkpoint()
+    folder = copy_of(source, tmp_path / "mxfp4")
+    index = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+    names, named = MXFP4_LOST[lost]
+    for name in names:
+        tensors = safetensors.torch.load_file(str(folder / index[name]))
+        del tensors[name]
+        safetensors.torch.save_file(tensors, str(folder / index[name]), metadata={"format": "pt"})
+    line = refusal(MXFP4_PATHS["check"](str(folder), folders, tmp_path), capfd)
+    assert f"model.safetensors.index.json: lists no shard holding {named}, which transformers would fill" in line, line
 
 
 @pytest.mark.launches

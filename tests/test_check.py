@@ -149,3 +149,25 @@ def test_one_lora_target_name_is_a_module_name_not_a_pattern_over_the_whole_name
                  "q_proj"]
     assert parse_args(arguments).model.lora_target_modules == ["q_proj"]
     assert check_finds(capfd, arguments) == []
+
+
+def test_a_model_folder_missing_a_weight_is_listed_with_the_recipes_other_problems(tmp_path, capsys):
+    """The weights checked against config.json from the safetensors headers (a weight no shard holds would be filled
+    with random values and trained without a word); the layers are read from config.json alone, so a LoRA target of
+    no layer is found beside it."""
+    import shutil
+
+    from finetune.models import tiny
+    from tests.test_bad_model_folders import Q_PROJ, with_tensors
+
+    folder = shutil.copytree(tiny.tiny_model_folder("llama"), tmp_path / "model")
+    with_tensors(lambda tensors: tensors.pop(Q_PROJ))(folder)
+    code, errors, _ = checked(capsys, "--config", str(RECIPE), "--model_name_or_path", str(folder), "--dataset_name",
+                              str(ROOT / "data" / "sample"), "--output_dir", str(tmp_path / "out"), "--weight_decay",
+                              "-1", "--lora_target_modules", "q_proj", "v_prj")
+    assert code == 2 and len(errors) == 3, errors
+    assert "`weight_decay: -1" in errors[0]
+    assert errors[1] == (f"error: {folder}/model.safetensors: holds no {Q_PROJ}, which transformers would fill with "
+                         f"random values (a model trained from it would train on them without a word); re-download the "
+                         f"model or re-save it with save_pretrained.")
+    assert "`lora_target_modules` ['v_prj'] match no layer" in errors[2]

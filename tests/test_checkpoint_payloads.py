@@ -148,3 +148,78 @@ def test_a_payload_in_a_dcp_metadata_file_never_runs_through_torchs_own_loader(c
     with pytest.raises(UserError) as refused, resume.read_safely(checkpoint):
         dcp.load(loaded, checkpoint_id=sharded, no_dist=True)
     assert_refused_without_running(refused.value, planted, marker, str(checkpoint.parent / "checkpoint-1"))
+
+
+def test_a_checkpoint_adapter_missing_a_tensor_is_one_line_naming_it_and_the_checkpoint_before(checkpointed_run,
+                                                                                               tmp_path):
+    """The Trainer loads a checkpoint's adapter with strict=False: a lora_B tensor missing (the marker rewritten, as a
+    checkpoint copied or damaged after its save arrives) resumed with its untrained zeros and a warning. Checked from
+    the safetensors header against the base, as every model folder is, before loading."""
+    import safetensors.torch
+
+    import finetune
+
+    output_dir = shutil.copytree(checkpointed_run, tmp_path / "out")
+    weights = output_dir / "checkpoint-2" / "adapter_model.safetensors"
+    tensors = safetensors.torch.load_file(str(weights))
+    lost = next(name for name in sorted(tensors) if ".lora_B." in name)
+    del tensors[lost]
+    safetensors.torch.save_file(tensors, str(weights), metadata={"format": "pt"})
+    looks_complete(weights)
+    with pytest.raises(UserError) as refused:
+        finetune.train(config=LORA, max_steps=3, output_dir=str(output_dir), **LORA_ARGS)
+    sentence = str(refused.value)
+    assert sentence.startswith(f"{weights}: holds no {lost}, which peft would leave at its untrained"), sentence
+    assert sentence.endswith(f"resume from {output_dir / 'checkpoint-1'} instead (--resume_from_checkpoint "
+                             f"{output_dir / 'checkpoint-1'}).") and "\n" not in sentence, sentence
+
+
+def test_a_checkpoint_adapter_holding_nan_is_one_line_naming_it_and_the_checkpoint_before(checkpointed_run, tmp_path):
+    """Loaded by the Trainer after the model's own check: a resumed run trained on NaN and logged its loss as 0."""
+    import safetensors.torch
+
+    import finetune
+
+    output_dir = shutil.copytree(checkpointed_run, tmp_path / "out")
+    weights = output_dir / "checkpoint-2" / "adapter_model.safetensors"
+    tensors = safetensors.torch.load_file(str(weights))
+    damaged = sorted(tensors)[0]
+    tensors[damaged].view(-1)[3] = float("nan")
+    safetensors.torch.save_file(tensors, str(weights), metadata={"format": "pt"})
+    looks_complete(weights)
+    with pytest.raises(UserError) as refused:
+        finetune.train(config=LORA, max_steps=3, output_dir=str(output_dir), **LORA_ARGS)
+    assert str(refused.value) == (f"{weights}: {damaged} holds NaN or infinite values, so the resumed run would train "
+                                  f"on NaN (its loss logged as 0); resume from {output_dir / 'checkpoint-1'} instead "
+                                  f"(--resume_from_checkpoint {output_dir / 'checkpoint-1'}).")
+
+
+class CallsAllowedClass:
+    """Unpickled, it calls an allowed class with arguments of its own (REDUCE), as no checkpoint file does."""
+
+    def __init__(self, cls, *args):
+        self.cls, self.args = cls, args
+
+    def __reduce__(self):
+        return (self.cls, self.args)
+
+
+def test_a_file_calling_an_allowed_class_never_runs_its_init(checkpointed_run, tmp_path, monkeypatch):
+    """The classes a checkpoint may build (SFTConfig, TrainingArguments, PartialState, DeepSpeed's configs) are rebuilt
+    from their state, as their pickles do; a file that calls one with arguments of its own gets an instance made
+    without its `__init__` (TrainingArguments' reads DeepSpeed files and sets the environment). The Trainer's own
+    training_args.bin still reads whole."""
+    import torch
+    from transformers import TrainingArguments
+
+    marker = tmp_path / "init-ran"
+    monkeypatch.setattr(TrainingArguments, "__post_init__", lambda self: marker.write_text(str(self.output_dir)))
+    planted = tmp_path / "training_args.bin"
+    torch.save(CallsAllowedClass(TrainingArguments, "chosen-by-the-file"), planted)
+    checkpoint = checkpointed_run / "checkpoint-2"
+    with resume.read_safely(checkpoint):
+        built = torch.load(planted)
+        saved = torch.load(checkpoint / "training_args.bin")
+    assert type(built) is TrainingArguments and built.output_dir != "chosen-by-the-file"
+    assert not marker.exists(), "the allowed class's __init__ ran with the file's arguments"
+    assert saved.output_dir == str(checkpointed_run) and saved.max_steps == 2

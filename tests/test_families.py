@@ -84,9 +84,17 @@ def nothing_loads(monkeypatch):
 
 
 def qwen_weights_folder(tmp):
-    """The tiny Llama's folder with its config.json saying qwen2: a model check_model lets through."""
+    """The tiny Llama's folder with its config.json saying qwen2, and the biases of qwen2's q, k and v projections
+    added: a whole model check_model lets through."""
+    import safetensors.torch
+    import torch
+
     folder = tmp / "qwen-weights"
     shutil.copytree(tiny.tiny_model_folder("llama"), folder)
+    tensors = safetensors.torch.load_file(str(folder / "model.safetensors"))
+    for name in [name for name in tensors if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight"))]:
+        tensors[name.replace(".weight", ".bias")] = torch.zeros(tensors[name].shape[0])
+    safetensors.torch.save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     values = json.loads((folder / "config.json").read_text())
     return config_folder(folder, {**values, "model_type": "qwen2"})
 

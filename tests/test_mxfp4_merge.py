@@ -11,6 +11,7 @@ from safetensors import safe_open
 
 from benchmarks import merge_memory, mxfp4_checkpoints
 from finetune import cli
+from finetune.checks import model_folder
 from finetune.models import expert_lora, mxfp4_experts
 from finetune.run import merging, shard_writing
 
@@ -77,6 +78,7 @@ def test_streamed_merge_of_an_mxfp4_base_is_the_in_memory_merge_bit_for_bit(smal
     for name in ("config.json", "generation_config.json"):
         assert json.loads((merged / name).read_text()) == json.loads((tmp_path / "in-memory" / name).read_text()), name
     loaded = AutoModelForCausalLM.from_pretrained(merged).state_dict()  # no quantization_config: loads as it is
+    model_folder.check_model(str(merged), "OUTPUT_DIR")  # its bf16 experts pass the weights' check
     assert loaded.keys() == expected.keys()
     moved = {name for name, tensor in expected.items() if not torch.equal(tensor, dequantized(small_shards)
                                                                           .state_dict()[name])}

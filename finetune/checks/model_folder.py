@@ -4,6 +4,7 @@ match nothing are refused here instead of after loading."""
 
 import json
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -27,6 +28,12 @@ def resolve_model_path(run) -> str:
         path = str(tiny.tiny_model_folder(family, run.finetune.tiny_width))
     else:
         check_model(name, "--model_name_or_path", revision=revision)  # first: it names a missing or damaged config.json
+        adapter = Path(name).expanduser()
+        if (adapter / ADAPTER_CONFIG).is_file() and not (adapter / ADAPTER_WEIGHTS[0]).is_file():
+            raise UserError(f"{adapter}: holds its adapter as {ADAPTER_WEIGHTS[1]} only, a pickle, which training "
+                            f"never reads (it loads safetensors only; chat, generate, eval and merge read it "
+                            f"weights-only); re-save the adapter with save_pretrained, which writes "
+                            f"{ADAPTER_WEIGHTS[0]}.")
         family_of_run(run)
         path = name
     check_fsdp_wrap(path, name, run.launch)
@@ -80,6 +87,7 @@ def check_model(name: str, flag: str, base: str | None = None, base_flag: str | 
     no folder, a hub id missing from the offline cache, a damaged folder (its JSON files, its weights), a training
     run without its final model, or a LoRA adapter whose base model is any of these. Reads the JSON files and the
     weights' headers, nothing more. Returns the base model an adapter folder loads on (`base`, else its adapter_config.json's); None for a model."""
+    patches.never_ask_to_run_remote_code()
     problem = model_problem(name, flag, revision)
     if problem:
         raise UserError(problem)
@@ -99,6 +107,9 @@ def check_model(name: str, flag: str, base: str | None = None, base_flag: str | 
     if (Path(base).expanduser() / ADAPTER_CONFIG).is_file():  # transformers would load it with its own adapter on
         raise UserError(f"{base}: a LoRA adapter, not the base model of {name}, which would then carry two adapters; "
                         f"pass {base_flag or 'base_model_name_or_path'} the model it was trained on.")
+    problem = _adapter_fit_problem(adapter_config.parent, base, base_flag or "base_model_name_or_path")
+    if problem:
+        raise UserError(problem)
     return base
 
 
@@ -169,8 +180,17 @@ def _config_problem(folder: Path) -> str | None:
 
     settings = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     model_type = settings.get("model_type")
-    if "auto_map" in settings:
-        return None  # the model's own code: loading refuses it without trust_remote_code
+    if settings.get("auto_map") and model_type not in CONFIG_MAPPING:
+        # only the folder's own code could build it: transformers would ask on stdin whether to run it
+        # (patches.never_ask_to_run_remote_code: it no longer asks, it refuses), and this toolkit never runs it
+        code = sorted({str(name) for name in (settings["auto_map"].values() if isinstance(settings["auto_map"], dict)
+                                              else [settings["auto_map"]])})
+        import transformers
+
+        return (f"{folder / 'config.json'}: `model_type: {model_type}` is unknown to transformers "
+                f"{transformers.__version__} and its `auto_map` names code of the model folder ({', '.join(code)}), "
+                f"which finetune never runs; pass a model whose type transformers has (upgrade transformers if the "
+                f"model is newer).")
     if model_type is None:  # save_pretrained always writes it: a config.json without it is not a whole one
         return f"{folder / 'config.json'}: names no `model_type`, so transformers cannot tell the model; {REMAKE}."
     if model_type not in CONFIG_MAPPING:
@@ -196,17 +216,76 @@ def _weights_problem(folder: Path) -> str | None:
         found = f"only {', '.join(pickled)}, which this toolkit never unpickles" if pickled else "no weights"
         return f"{folder}: holds {found} (no {WEIGHTS} or {WEIGHTS_INDEX}); {REMAKE} (it writes safetensors)."
     for shard in shards:
+        if not shard.endswith(".safetensors"):
+            return (f"{index}: lists {shard}, which is not a .safetensors file (a pickle this toolkit never "
+                    f"unpickles); {REMAKE} (it writes safetensors).")
         if not (folder / shard).is_file():
             return f"{index}: lists {shard}, which is missing; {REMAKE}."
         problem = run_folder.safetensors_problem(folder / shard)
         if problem:
             return f"{folder}/{problem}; {REMAKE}."
+    headers = {folder / shard: run_folder.safetensors_header(folder / shard)[1] for shard in shards}
     if mxfp4.is_mxfp4_checkpoint(str(folder)):
         config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-        headers = {folder / shard: run_folder.safetensors_header(folder / shard)[1] for shard in shards}
         problem = mxfp4.packed_problem(config, headers)
         if problem:
             return f"{problem}; {REMAKE}."
+    problem = _tensors_problem(folder, headers, index if index.is_file() else folder / WEIGHTS)
+    return f"{problem}; {REMAKE}." if problem else None
+
+
+FLOATING = {"F16", "BF16", "F32", "F64"}
+
+
+def _tensors_problem(folder: Path, headers: dict[Path, dict], weights: Path) -> str | None:
+    """The model's weights (a skeleton built from config.json on the meta device) against the safetensors headers:
+    a weight no shard holds, which transformers would initialise at random with only a warning, one stored in
+    another shape (a traceback at load), a floating weight stored as integers (cast without a word). Left to the
+    load: a checkpoint quantized otherwise than MXFP4 (its tensors are not the model's weights), one whose names
+    follow another scheme (transformers renames them as it loads), an MXFP4 expert weight (`mxfp4.packed_problem`)."""
+    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    quantized = (config.get("quantization_config") or {}).get("quant_method")
+    skeleton = None if quantized not in (None, "mxfp4") else _skeleton(str(folder))
+    if skeleton is None:
+        return None
+    stored = {name: (shard, entry) for shard, header in headers.items() for name, entry in header.items()
+              if name != "__metadata__"}
+    prefix = f"{skeleton.base_model_prefix}."
+    names_of = {}  # each weight (tied weights are one) and its names
+    for name, tensor in skeleton.named_parameters(remove_duplicate=False):  # buffers are rebuilt, or left to the load
+        names_of.setdefault(id(tensor), (tensor, []))[1].append(name)
+
+    def found(names):
+        return next((stored[key] + (key,) for name in names for key in (name, name.removeprefix(prefix))
+                     if key in stored), None)
+
+    weights_found = [(tensor, names, found(names)) for tensor, names in names_of.values()]
+    if sum(1 for *_, where in weights_found if where) * 2 < len(weights_found):
+        return None  # another naming scheme
+    packed = mxfp4.packed_shapes(config) if quantized == "mxfp4" else {}
+    missing = [f"{names[0]}_blocks" if f"{names[0].rsplit('.', 1)[-1]}_blocks" in packed else names[0]
+               for tensor, names, where in weights_found
+               if where is None and found([f"{name}_blocks" for name in names]) is None]
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        holds = "lists no shard holding" if weights.name == WEIGHTS_INDEX else "holds no"
+        return (f"{weights}: {holds} {missing[0]}{more}, which transformers would fill with random values (a model "
+                f"trained from it would train on them without a word)")
+    taken = {key for _, names in names_of.values() for name in names
+             for key in (name, name.removeprefix(prefix), f"{name}_blocks", f"{name}_scales")}
+    ignored = [re.compile(pattern) for pattern in getattr(skeleton, "_keys_to_ignore_on_load_unexpected", None) or []]
+    dropped = sorted(name for name in stored if name not in taken and name.endswith((".weight", ".bias"))
+                     and not any(pattern.search(name) for pattern in ignored))
+    if dropped:  # a config.json that describes a smaller model than its weights (fewer layers, no bias)
+        shard = stored[dropped[0]][0]
+        return (f"{shard}: holds {dropped[0]}, a weight the model of its config.json does not have (transformers "
+                f"would drop it with a warning), so config.json does not describe these weights")
+    for tensor, names, (shard, entry, key) in ((t, n, w) for t, n, w in weights_found if w):
+        shape = list(tensor.shape)
+        if entry.get("shape") != shape or (tensor.is_floating_point() and entry.get("dtype") not in FLOATING
+                                           and quantized is None):
+            wanted = "a floating type" if entry.get("shape") == shape else shape
+            return f"{shard}: {key} is stored as {entry.get('dtype')} {entry.get('shape')}, where config.json implies {wanted}"
     return None
 
 
@@ -216,6 +295,50 @@ def _adapter_weights_problem(folder: Path) -> str | None:
         return f"{folder}: holds no adapter weights ({ADAPTER_WEIGHTS[0]}); {REMAKE_ADAPTER}."
     problem = run_folder.safetensors_problem(weights) if weights.suffix == ".safetensors" else None
     return f"{folder}/{problem}; {REMAKE_ADAPTER}." if problem else None
+
+
+def _adapter_fit_problem(folder: Path, base: str, base_flag: str) -> str | None:
+    """The adapter's tensors (its safetensors header) against those peft would load into its base: the base's skeleton
+    on the meta device with the adapter_config.json's adapter put on it. peft loads a missing tensor with a warning
+    (the layer keeps its untrained initial value, and a merge writes it in), drops a tensor of a layer the base lacks
+    without a word, casts integer tensors, and ends in a traceback when `target_modules` match no layer. Left to the
+    load: an adapter peft cannot put on the skeleton for another reason, or one in a pickled adapter_model.bin."""
+    weights = folder / ADAPTER_WEIGHTS[0]
+    skeleton = _skeleton(base) if weights.is_file() else None
+    if skeleton is None:
+        return None
+    from peft import PeftConfig, get_peft_model, get_peft_model_state_dict
+
+    try:
+        config = PeftConfig.from_pretrained(str(folder))
+        with torch.device("meta"):
+            wanted = get_peft_model_state_dict(get_peft_model(skeleton, config))
+    except ValueError as error:
+        if type(error).__name__ != "NoMatchingPeftModuleError":
+            return None
+        return (f"{folder / ADAPTER_CONFIG}: its `target_modules` {sorted(config.target_modules or [])} match no layer "
+                f"of {base}, so it was trained on another model; pass the model it was trained on to {base_flag}.")
+    except Exception:
+        return None
+    stored = {key: entry for key, entry in run_folder.safetensors_header(weights)[1].items() if key != "__metadata__"}
+    missing = sorted(set(wanted) - set(stored))
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        return (f"{weights}: holds no {missing[0]}{more}, which peft would leave at its untrained initial value (a "
+                f"merge would write it in); {REMAKE_ADAPTER}.")
+    extra = sorted(set(stored) - set(wanted))
+    if extra:
+        return (f"{weights}: holds {extra[0]}, which no layer of {base} takes (peft would drop it without a word), so "
+                f"it was trained on another model; pass the model it was trained on to {base_flag}.")
+    for key, tensor in wanted.items():
+        entry = stored[key]
+        if entry.get("shape") != list(tensor.shape):
+            return (f"{weights}: {key} is {entry.get('shape')} in the adapter and {list(tensor.shape)} on {base} "
+                    f"with its adapter_config.json, so it was trained on another model or another `r`; pass the model "
+                    f"it was trained on to {base_flag}.")
+        if tensor.is_floating_point() and entry.get("dtype") not in FLOATING:
+            return f"{weights}: {key} is stored as {entry.get('dtype')}, not a floating type; {REMAKE_ADAPTER}."
+    return None
 
 
 def _skeleton(model_path: str, attn_implementation: str | None = None):

@@ -57,6 +57,7 @@ def check_output_dir(run) -> None:
         run.recorded_settings = settings_of_checkpoint(run.resumes_from, output_dir, run.recorded_settings)
         if run.recorded_settings:
             resume.check_relaunch(run, run.recorded_settings, run.resumes_from, output_dir)
+        resume.check_checkpoint_weights(run.resumes_from)
 
 
 def _check_run_in_folder(run, output_dir: Path) -> None:

@@ -202,6 +202,45 @@ def fall_back(checkpoint: Path) -> str:
             f"leave out --resume_from_checkpoint) to train from the start")
 
 
+def check_checkpoint_weights(checkpoint: Path) -> None:
+    """A checkpoint's weights (a full model's, or a LoRA adapter's against its base) checked from their safetensors
+    headers as every model folder's are (finetune/checks/model_folder.py `check_model`): the Trainer loads them with
+    strict=False, so a tensor missing from a checkpoint copied or damaged after its save would resume without a word
+    (the base's value, or the adapter's untrained one). Sharded states (ZeRO, FSDP) are left to their readers."""
+    from finetune.checks import model_folder
+
+    full = (checkpoint / "config.json").is_file() and any(
+        (checkpoint / name).is_file() for name in (model_folder.WEIGHTS, model_folder.WEIGHTS_INDEX))
+    adapter = (checkpoint / model_folder.ADAPTER_CONFIG).is_file() and \
+        (checkpoint / model_folder.ADAPTER_WEIGHTS[0]).is_file() and \
+        isinstance(read_object(checkpoint / model_folder.ADAPTER_CONFIG).get("base_model_name_or_path"), str)
+    if not (full or adapter):  # the run's own base is checked as it loads
+        return
+    try:
+        model_folder.check_model(str(checkpoint), "--resume_from_checkpoint")
+    except UserError as problem:
+        what = str(problem).rsplit("; ", 1)[0]  # the fix a model folder gets: a checkpoint has another
+        raise UserError(f"{what}; {fall_back(checkpoint)}.") from None
+    for weights in sorted(checkpoint.glob("*.safetensors")):  # loaded after the model's own check_finite
+        name = nonfinite_tensor(weights)
+        if name:
+            raise UserError(f"{weights}: {name} holds NaN or infinite values, so the resumed run would train on NaN "
+                            f"(its loss logged as 0); {fall_back(checkpoint)}.")
+
+
+def nonfinite_tensor(weights: Path) -> str | None:
+    """The first floating tensor of a .safetensors file holding NaN or infinite values, read one tensor at a time."""
+    import torch
+    from safetensors import safe_open
+
+    with safe_open(str(weights), framework="pt") as tensors:
+        for name in tensors.keys():
+            tensor = tensors.get_tensor(name)
+            if tensor.is_floating_point() and not torch.isfinite(torch.sum(tensor, dtype=torch.float32)):
+                return name
+    return None
+
+
 def check_trainer_state(run, checkpoint: Path) -> None:
     """A checkpoint's trainer_state.json must agree with its folder and the run: the Trainer resumes at its
     `global_step` whatever the folder's name, and from a step beyond max_steps trains nothing and saves the run as

@@ -89,8 +89,13 @@ def _collected_problems(run, found: list[UserError]) -> list[UserError]:
 
     try:
         found.extend(recipe_checks.problems(run))  # extended one by one: what was found stays if a check fails
-        model_path = model_folder.resolve_model_path(run)
-        model_folder.check_layers(run, model_path)
+        try:
+            model_path = model_folder.resolve_model_path(run)
+        except UserError as problem:  # the layers are read from config.json alone: a folder whose weights are
+            found.append(problem)     # damaged still shows them (a folder that cannot be read shows none)
+            model_path = None if run.finetune.tiny else run.model.model_name_or_path
+        if model_path:
+            model_folder.check_layers(run, model_path)
     except UserError as problem:
         found.append(problem)
     except Exception:  # a check that cannot run past an earlier problem: that problem is the answer

@@ -34,7 +34,7 @@ def merge_adapter(adapter_dir: str, output_dir: str, base_model: str | None = No
     from finetune.checks.model_folder import ADAPTER_CONFIG, check_model
     from finetune.models import mxfp4, mxfp4_loading
     from finetune.run import merging
-    from finetune.run.model import load_adapter
+    from finetune.run.model import check_finite, load_adapter
 
     output = Path(output_dir)
     check_output_folder(output)
@@ -54,7 +54,9 @@ def merge_adapter(adapter_dir: str, output_dir: str, base_model: str | None = No
     else:
         with base_not_loadable(base_model):
             base = AutoModelForCausalLM.from_pretrained(base_model, dtype="auto", use_safetensors=True)
-        write_model = load_adapter(base, adapter_dir, base_model, "--base_model").merge_and_unload().save_pretrained
+        adapted = load_adapter(base, adapter_dir, base_model, "--base_model")
+        check_finite(adapted, base_model, adapter_dir)
+        write_model = adapted.merge_and_unload().save_pretrained
 
     def save(folder: Path) -> None:
         write_model(folder)

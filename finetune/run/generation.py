@@ -105,6 +105,7 @@ def load_checked(loadable: Loadable):
         model = model_loading.load_adapter(model, loadable.output_dir, loadable.base, "--base")
         if resident:  # the expert adapters through the grouped GEMMs: the placeholders cannot take W + B·A
             expert_lora.install(model)
+    model_loading.check_finite(model, weights, loadable.output_dir if loadable.base else None)
     model.eval()
     return model, loadable.tokenizer
 

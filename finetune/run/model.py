@@ -47,6 +47,23 @@ def load_adapter(model: PreTrainedModel, adapter_dir: str, base: str, base_flag:
                         f"adapter, {model_shape} on this model); pass the model it was trained on to {base_flag}.") from None
 
 
+def check_finite(model, base: str, adapter_dir: str | None = None) -> None:
+    """A loaded model whose weights hold NaN or infinite values: every output they touch is NaN, and a run trained on
+    them logged its loss as 0 (the Trainer's `logging_nan_inf_filter`) and saved, exit 0. Read where the weights are,
+    one float32 sum per tensor (non-finite if any element is), after loading: the headers do not tell it. An adapter's
+    tensors (`lora_` in the name) are named in `adapter_dir`."""
+    import torch
+
+    for name, parameter in model.named_parameters():
+        if not parameter.is_floating_point() or parameter.numel() == 0 or parameter.device.type == "meta":
+            continue  # packed or quantized integers, or a shard placeholder of a sharded strategy
+        if not torch.isfinite(torch.sum(parameter.detach(), dtype=torch.float32)):
+            in_adapter = adapter_dir is not None and "lora_" in name
+            fix = REMAKE_ADAPTER if in_adapter else "re-download the model or re-save it with save_pretrained"
+            raise UserError(f"{adapter_dir if in_adapter else base}: {name} holds NaN or infinite values, so every "
+                            f"output it touches would be NaN (a run trained on it logs its loss as 0); {fix}.")
+
+
 def load_tokenizer(model_path: str, assistant_only_loss: bool, flag: str = "--model_name_or_path"):
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -114,6 +131,7 @@ def load_model(run: RunConfig, model_path: str) -> PreTrainedModel:
             f"{model_path}: the model could not be loaded ({first_line(error)}); without network pass "
             f"a local model folder to --model_name_or_path, or add --tiny."
         ) from None
+    check_finite(model, model_path)
     model.config.use_cache = False
     return model
 
