@@ -8,7 +8,8 @@
 # one H200), 10 (GPT-OSS-20B resident with and without checkpointing, then dequantized without), 11 (GPT-OSS-20B
 # resident against dequantized with checkpointing, after the prefetched dequantization against dequantizing where
 # asked), 12 (the same, then the variant that dequantizes the next chunk ahead) or 13 (the one-GPU recipe
-# lora_mxfp4.yaml as shipped resident against dequantized, then both without activation offloading); each fits one call.
+# lora_mxfp4.yaml as shipped resident against dequantized, then both without activation offloading) or 14 (13's pair
+# without offloading first, then the recipe as shipped); each fits one call.
 # FLAGS="--per_device_train_batch_size 8" adds flags to every run, after (so over) each case's own.
 # Run from the project's root with `carry` [".whl", ".uw", ".peers"] (../shared/gpu/README.md: the project's wheels in
 # .whl, Unsloth's in .uw, unsloth_peer.py in .peers). The results and logs go to $OUT/up.
@@ -17,7 +18,7 @@ set -euo pipefail
 # this session's GPU processes left by an earlier call would skew the memory and the speed
 for pid in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null); do kill -9 "$pid" 2>/dev/null || true; done
 df -h /dev/shm . | sed 's/^/[lease] /'; free -g | sed 's/^/[lease] /' 
-part=${1:?usage: gpu_lease.sh 1|2|3|4|5|6|7|8|9|10|11|12|13}
+part=${1:?usage: gpu_lease.sh 1|2|3|4|5|6|7|8|9|10|11|12|13|14}
 # bytecode compiled as a user's `pip install` leaves it: a first import that compiles it is a wait no user has.
 # Once per machine: a later call of the same lease finds them installed.
 wheels=$(ls -l .whl .uw | md5sum | cut -c1-32)
