@@ -7,6 +7,7 @@ from __future__ import annotations
 import atexit
 import fcntl
 import json
+import math
 import os
 import re
 import shutil
@@ -99,9 +100,9 @@ def _offsets_problem(header: dict) -> str | None:
         except (KeyError, TypeError, ValueError):
             return f"tensor {name} has no readable shape and data_offsets"
         size = SAFETENSORS_DTYPE_BYTES.get(entry.get("dtype"))
-        if size is not None and end - begin != size * _product(shape):
+        if size is not None and end - begin != size * math.prod(shape):
             return (f"tensor {name} takes bytes {begin}-{end}, where {entry.get('dtype')} {shape} takes "
-                    f"{size * _product(shape)}")
+                    f"{size * math.prod(shape)}")
         entries.append((begin, end, name))
     position = 0
     for begin, end, name in sorted(entries):
@@ -109,13 +110,6 @@ def _offsets_problem(header: dict) -> str | None:
             return f"tensor {name} starts at byte {begin}, where the tensor before it ends at {position}"
         position = end
     return None
-
-
-def _product(shape: list[int]) -> int:
-    result = 1
-    for size in shape:
-        result *= size
-    return result
 
 
 def safetensors_problem(path: Path) -> str | None:

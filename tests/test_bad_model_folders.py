@@ -62,14 +62,14 @@ def save_adapter(base: Path, folder: Path) -> Path:
 Q_PROJ = "model.layers.0.self_attn.q_proj.weight"
 
 
-def with_tensors(change):
-    """The folder's model.safetensors rewritten whole by safetensors with `change` made to its tensors."""
+def with_tensors(change, weights: str = "model.safetensors"):
+    """The folder's `weights` file rewritten whole by safetensors with `change` made to its tensors."""
     def rewrite(folder: Path) -> None:
         import safetensors.torch
 
-        tensors = safetensors.torch.load_file(str(folder / "model.safetensors"))
+        tensors = safetensors.torch.load_file(str(folder / weights))
         change(tensors)
-        safetensors.torch.save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        safetensors.torch.save_file(tensors, str(folder / weights), metadata={"format": "pt"})
     return rewrite
 
 
@@ -78,13 +78,7 @@ LORA_A = f"base_model.model.{Q_PROJ.removesuffix('.weight')}.lora_A.weight"
 
 def with_adapter_tensors(change):
     """The adapter's adapter_model.safetensors rewritten whole with `change` made to its tensors."""
-    def rewrite(folder: Path) -> None:
-        import safetensors.torch
-
-        tensors = safetensors.torch.load_file(str(folder / "adapter_model.safetensors"))
-        change(tensors)
-        safetensors.torch.save_file(tensors, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
-    return rewrite
+    return with_tensors(change, "adapter_model.safetensors")
 
 
 def with_pickled_adapter(folder: Path) -> None:
