@@ -612,6 +612,49 @@ def test_training_on_a_packed_expert_tensor_stored_wrong_is_one_sentence_before_
     check_bad_input((damage, lambda tmp: arguments, expected_words), tmp_path, capfd, monkeypatch)
 
 
+# A scale byte whose block dequantizes to NaN or infinity: each trained without a word with the experts kept packed
+# (uint8: the check after loading skips them; loss logged as 0, exit 0), was answered with "!!!" on a GPU, and merged
+# into NaN weights; each is named from the file on every path, before loading.
+NONFINITE_SCALES = {"scale byte 255 (NaN in MXFP4)": 255, "scale byte 254 (times 2 to 6 past bf16's range)": 254}
+
+
+@pytest.fixture(scope="module")
+def nonfinite_scales(tmp_path_factory, tiny_model_cache) -> dict[str, tuple[str, str]]:
+    """Per case: the tiny MXFP4 checkpoint in shards of 16 kB (an expert weight's blocks and scales in two files) with
+    the byte as one scale of layer 0's gate_up_proj, and the start of its refusal."""
+    from benchmarks import mxfp4_checkpoints
+
+    root = tmp_path_factory.mktemp("nonfinite-scales")
+    built = {}
+    for case, byte in NONFINITE_SCALES.items():
+        folder = mxfp4_checkpoints.resharded(mxfp4_checkpoints.tiny_checkpoint(), root / str(byte), 16 << 10)
+        index = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+        assert index[f"{PACKED}_scales"] != index[f"{PACKED}_blocks"]
+        with_tensors(lambda tensors: tensors[f"{PACKED}_scales"].view(-1)[5].fill_(byte),
+                     index[f"{PACKED}_scales"])(folder)
+        built[case] = (str(folder), f"{folder / index[f'{PACKED}_scales']}: {PACKED}_scales holds the scale byte {byte} (")
+    return built
+
+
+@pytest.mark.parametrize("path", MXFP4_PATHS)
+@pytest.mark.parametrize("case", NONFINITE_SCALES)
+def test_a_scale_byte_that_dequantizes_to_nan_or_infinity_is_named_before_loading_by_every_command(
+        case, path, nonfinite_scales, folders, tmp_path, capfd):
+    folder, named = nonfinite_scales[case]
+    line = refusal(MXFP4_PATHS[path](folder, folders, tmp_path), capfd)
+    assert named in line and "NaN or infinite values once dequantized" in line and "re-download" in line, line
+
+
+@pytest.mark.parametrize("dequantize", ["true", "false"])
+@pytest.mark.parametrize("case", NONFINITE_SCALES)
+def test_training_on_a_scale_byte_that_dequantizes_to_nan_or_infinity_is_one_sentence_before_loading(
+        case, dequantize, nonfinite_scales, tmp_path, capfd, monkeypatch):
+    folder, named = nonfinite_scales[case]
+    arguments = ["--config", str(ROOT / "recipes" / "gpt-oss-20b" / "lora.yaml"), "--model_name_or_path", folder,
+                 "--dataset_name", str(ROOT / "data" / "sample"), "--dequantize_mxfp4", dequantize]
+    check_bad_input((case, lambda tmp: arguments, [named, "re-download"]), tmp_path, capfd, monkeypatch)
+
+
 OWN_CODE_PATHS = {**MXFP4_PATHS, "check": lambda folder, folders, tmp: [
     "check", "--config", str(ROOT / "recipes" / "llama-3.2-1b" / "lora.yaml"), "--model_name_or_path", folder]}
 

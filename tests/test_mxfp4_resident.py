@@ -52,6 +52,21 @@ def test_reference_dequantizer_gives_the_checkpoint_reader_s_weights_bit_for_bit
                        bits(expected.to(torch.bfloat16)))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_scale_byte_is_named_exactly_when_its_block_dequantizes_to_nan_or_infinity(dtype):
+    """Every scale byte under a block holding every FP4 code, and under one holding only those up to 1.5 (253 and 254
+    keep them finite): the check before loading (model_folder._scales_problem) names a byte exactly where the
+    dequantizer gives NaN or infinite values, in float32 and bf16 alike."""
+    code = torch.arange(16, dtype=torch.uint8)
+    every_code = code | (code.flip(0) << 4)
+    small_codes = torch.tensor([0, 1, 2, 3, 8, 9, 10, 11] * 2, dtype=torch.uint8) * 0x11
+    for block in (every_code, small_codes):
+        for byte in range(256):
+            blocks, scales = block.reshape(1, 1, 1, 16), torch.tensor([[[byte]]], dtype=torch.uint8)
+            finite = bool(mxfp4_experts.dequantize(blocks, scales, dtype).isfinite().all())
+            assert mxfp4_experts.nonfinite_scale(blocks, scales) == (None if finite else byte), (block, byte)
+
+
 @pytest.fixture
 def interpreted_kernel(monkeypatch):
     """finetune/models/mxfp4_triton.py run by Triton's interpreter on CPU tensors (numpy underneath)."""

@@ -53,6 +53,24 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -
     return weights.reshape(experts, rows, -1).transpose(1, 2).contiguous()
 
 
+# 6 * 2**(253 - 127) is 2**128.6, past float32's and bf16's largest value (just under 2**128): from this scale byte up
+# an FP4 value of the block can dequantize to infinity; 255 is NaN in the OCP MX format and 2**128 here
+FIRST_OVERFLOWING_SCALE = 253
+
+
+def nonfinite_scale(blocks: torch.Tensor, scales: torch.Tensor) -> int | None:
+    """The first scale byte whose block `dequantize` turns into NaN or infinite values (255, or 253 and 254 times the
+    larger FP4 values; transformers' dequantizer and the Triton kernel give the same infinities), None when there is
+    none. FP4 values times powers of two are exact in float32 and bf16, so a value finite in one is finite in both;
+    only the blocks of scales from FIRST_OVERFLOWING_SCALE up are dequantized, and only when there are such."""
+    if scales.numel() == 0 or int(scales.max()) < FIRST_OVERFLOWING_SCALE:
+        return None
+    large = scales >= FIRST_OVERFLOWING_SCALE
+    weights = dequantize(blocks[large][None, None], scales[large][None, None], torch.float32)
+    overflowing = scales[large][~weights.reshape(-1, BLOCK).isfinite().all(dim=-1)]
+    return int(overflowing[0]) if overflowing.numel() else None
+
+
 def dequantize_on_device(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The Triton kernel on a CUDA GPU where triton is installed (bit-equal to `dequantize`), the reference elsewhere
     (without triton, with its larger temporaries)."""
