@@ -1,9 +1,11 @@
 """`finetune check`: every check a run makes before loading a model, all problems printed at once, without training."""
 
+import json
+
 import pytest
 
 from finetune import cli
-from tests.helpers import ROOT, run_sft_in_process
+from tests.helpers import ROOT, run_sft_in_process, write
 from tests.test_bad_inputs import with_keys
 from tests.test_families import LISTED, qwen_weights_folder
 
@@ -171,3 +173,43 @@ def test_a_model_folder_missing_a_weight_is_listed_with_the_recipes_other_proble
                          f"random values (a model trained from it would train on them without a word); re-download the "
                          f"model or re-save it with save_pretrained.")
     assert "`lora_target_modules` ['v_prj'] match no layer" in errors[2]
+
+
+def test_check_reads_the_weights_values_and_names_each_file_holding_nan_in_the_run_s_words(tmp_path, capsys):
+    """NaN or infinite values, which the headers do not tell and a run refuses only once loaded (check_finite): one
+    line per weights file naming its first such tensor, with the run's words and fix, after every other problem; here
+    an adapter's and two shards of its base's, and the base's again after a LoRA target of no layer."""
+    from transformers import AutoModelForCausalLM
+
+    from finetune.errors import UserError
+    from finetune.models import tiny
+    from finetune.run.model import check_finite
+    from tests.test_bad_model_folders import LORA_A, Q_PROJ, save_adapter, with_adapter_tensors, with_tensors
+
+    base = tmp_path / "base"
+    AutoModelForCausalLM.from_pretrained(tiny.tiny_model_folder("llama")).save_pretrained(base, max_shard_size="100KB")
+    shard_of = json.loads((base / "model.safetensors.index.json").read_text())["weight_map"]
+    norm = "model.norm.weight"
+    assert shard_of[Q_PROJ] != shard_of[norm]
+    adapter = save_adapter(tiny.tiny_model_folder("llama"), tmp_path / "adapter")
+    with_adapter_tensors(lambda tensors: tensors[LORA_A].fill_(float("nan")))(adapter)
+    write(adapter / "adapter_config.json", json.dumps({**json.loads((adapter / "adapter_config.json").read_text()),
+                                                       "base_model_name_or_path": str(base)}))
+    with_tensors(lambda tensors: tensors[Q_PROJ].view(-1)[3].fill_(float("inf")), shard_of[Q_PROJ])(base)
+    with_tensors(lambda tensors: tensors[norm].fill_(float("nan")), shard_of[norm])(base)
+    with pytest.raises(UserError) as refused:
+        check_finite(AutoModelForCausalLM.from_pretrained(base), str(base))
+    run_s_words = str(refused.value).removeprefix(f"{base}: {Q_PROJ} ")
+    base_lines = sorted(f"error: {base / shard_of[tensor]}: {tensor} {run_s_words}" for tensor in (Q_PROJ, norm))
+    arguments = ["--config", str(RECIPE), "--dataset_name", str(ROOT / "data" / "sample"), "--output_dir",
+                 str(tmp_path / "out"), "--weight_decay", "-1"]
+    code, errors, _ = checked(capsys, *arguments, "--model_name_or_path", str(adapter))
+    assert code == 2 and len(errors) == 4 and "`weight_decay: -1" in errors[0], errors
+    assert errors[1:] == [f"error: {adapter / 'adapter_model.safetensors'}: {LORA_A} holds NaN or infinite values, so "
+                          f"every output it touches would be NaN (a run trained on it logs its loss as 0); re-save the "
+                          f"adapter with save_pretrained, or pass one of its run's complete checkpoint-N folders.",
+                          *base_lines]
+    code, errors, _ = checked(capsys, *arguments, "--model_name_or_path", str(base), "--lora_target_modules", "q_proj",
+                              "v_prj")
+    assert code == 2 and len(errors) == 4 and "`lora_target_modules` ['v_prj'] match no layer" in errors[1], errors
+    assert errors[2:] == base_lines

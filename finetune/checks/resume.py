@@ -222,23 +222,10 @@ def check_checkpoint_weights(checkpoint: Path) -> None:
         what = str(problem).rsplit("; ", 1)[0]  # the fix a model folder gets: a checkpoint has another
         raise UserError(f"{what}; {fall_back(checkpoint)}.") from None
     for weights in sorted(checkpoint.glob("*.safetensors")):  # loaded after the model's own check_finite
-        name = nonfinite_tensor(weights)
+        name = model_folder.nonfinite_tensor(weights)
         if name:
             raise UserError(f"{weights}: {name} holds NaN or infinite values, so the resumed run would train on NaN "
                             f"(its loss logged as 0); {fall_back(checkpoint)}.")
-
-
-def nonfinite_tensor(weights: Path) -> str | None:
-    """The first floating tensor of a .safetensors file holding NaN or infinite values, read one tensor at a time."""
-    import torch
-    from safetensors import safe_open
-
-    with safe_open(str(weights), framework="pt") as tensors:
-        for name in tensors.keys():
-            tensor = tensors.get_tensor(name)
-            if tensor.is_floating_point() and not torch.isfinite(torch.sum(tensor, dtype=torch.float32)):
-                return name
-    return None
 
 
 def check_trainer_state(run, checkpoint: Path) -> None:

@@ -13,7 +13,7 @@ from trl import get_peft_config, get_quantization_config
 
 from finetune import families, patches
 from finetune.checks import resume
-from finetune.checks.model_folder import REMAKE_ADAPTER
+from finetune.checks.model_folder import REMAKE, REMAKE_ADAPTER, nonfinite_sentence
 from finetune.errors import UserError, first_line
 from finetune.models import attention, cpu, mxfp4, mxfp4_loading
 from finetune.run.arguments import RunConfig
@@ -59,9 +59,8 @@ def check_finite(model, base: str, adapter_dir: str | None = None) -> None:
             continue  # packed or quantized integers, or a shard placeholder of a sharded strategy
         if not torch.isfinite(torch.sum(parameter.detach(), dtype=torch.float32)):
             in_adapter = adapter_dir is not None and "lora_" in name
-            fix = REMAKE_ADAPTER if in_adapter else "re-download the model or re-save it with save_pretrained"
-            raise UserError(f"{adapter_dir if in_adapter else base}: {name} holds NaN or infinite values, so every "
-                            f"output it touches would be NaN (a run trained on it logs its loss as 0); {fix}.")
+            raise UserError(nonfinite_sentence(adapter_dir if in_adapter else base, name,
+                                               REMAKE_ADAPTER if in_adapter else REMAKE))
 
 
 def load_tokenizer(model_path: str, assistant_only_loss: bool, flag: str = "--model_name_or_path"):
