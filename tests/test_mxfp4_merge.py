@@ -147,3 +147,29 @@ def test_streamed_merge_holds_less_than_two_stored_shards_in_host_memory(small_s
     assert peak < 2 * stored_shard_bytes, peak
 
 
+
+
+@pytest.mark.parametrize("damaged", ["adapter", "base"])
+def test_the_streamed_merge_refuses_nan_in_the_adapter_or_in_a_base_weight_before_writing(damaged, small_shards,
+                                                                                          adapter, tmp_path, capfd):
+    """The streamed merge never loads the model, so the check after loading (check_finite) never saw it: a lora_A or
+    an attention weight of the base holding NaN was merged into the model written, exit 0. The files are read before
+    merging, and refused in check_finite's words."""
+    import shutil
+
+    from tests.test_bad_model_folders import with_tensors
+
+    adapter_copy, base = shutil.copytree(adapter, tmp_path / "adapter"), shutil.copytree(small_shards, tmp_path / "base")
+    if damaged == "adapter":
+        weights = adapter_copy / "adapter_model.safetensors"
+        tensor, fix = "base_model.model.model.layers.1.self_attn.q_proj.lora_A.weight", "re-save the adapter"
+    else:
+        tensor, fix = "model.layers.1.self_attn.q_proj.weight", "re-download the model"
+        weights = base / shard_of(base)[tensor]
+    with_tensors(lambda tensors: tensors[tensor].view(-1)[2].fill_(float("nan")), weights.name)(weights.parent)
+    capfd.readouterr()
+    assert cli.main(["merge", str(adapter_copy), str(tmp_path / "merged"), "--base_model", str(base)]) == 2
+    line = capfd.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith(f"error: {weights}: {tensor} holds NaN or infinite values, so every output it touches would "
+                           f"be NaN") and fix in line, line
+    assert not (tmp_path / "merged").exists()

@@ -31,7 +31,7 @@ def add_merge(subparsers) -> None:
 def merge_adapter(adapter_dir: str, output_dir: str, base_model: str | None = None) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer  # heavy: only when merging
 
-    from finetune.checks.model_folder import ADAPTER_CONFIG, check_model
+    from finetune.checks.model_folder import ADAPTER_CONFIG, check_model, nonfinite_problems
     from finetune.models import mxfp4, mxfp4_loading
     from finetune.run import merging
     from finetune.run.model import check_finite, load_adapter
@@ -46,6 +46,8 @@ def merge_adapter(adapter_dir: str, output_dir: str, base_model: str | None = No
     if tokenizer_from != adapter_dir:
         say(f"{adapter_dir} holds no tokenizer files (a plain peft adapter): the merged model gets {base_model}'s")
     if mxfp4.is_mxfp4_checkpoint(base_model):  # shard by shard: the 120B base dequantized would take 218 GiB
+        for problem in nonfinite_problems(adapter_dir, base_model):  # what check_finite sees of a loaded model
+            raise problem
         with base_not_loadable(base_model):
             checkpoint = mxfp4_loading.checkpoint_folder(base_model, None)
 
