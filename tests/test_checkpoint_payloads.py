@@ -194,6 +194,33 @@ def test_a_checkpoint_adapter_holding_nan_is_one_line_naming_it_and_the_checkpoi
                                   f"(--resume_from_checkpoint {output_dir / 'checkpoint-1'}).")
 
 
+def test_a_checkpoint_optimizer_state_holding_nan_is_one_line_naming_it_and_the_checkpoint_before(checkpointed_run,
+                                                                                                   tmp_path, capfd):
+    """The Trainer loads optimizer.pt as it is: a resume from Adam moments holding NaN trained on NaN, logged its loss
+    as 0 and saved NaN weights, exit 0. Refused before loading, by the run and by `finetune check` alike."""
+    import torch
+
+    import finetune
+    from finetune import cli
+
+    output_dir = shutil.copytree(checkpointed_run, tmp_path / "out")
+    optimizer = output_dir / "checkpoint-2" / "optimizer.pt"
+    state = torch.load(optimizer, weights_only=True)
+    state["state"][1]["exp_avg"].view(-1)[4] = float("nan")
+    torch.save(state, optimizer)
+    looks_complete(optimizer)
+    expected = (f"{optimizer}: state[1].exp_avg holds NaN or infinite values, which the resumed run would carry into "
+                f"the weights it updates from its first step (its loss logged as 0 once they are NaN); resume from "
+                f"{output_dir / 'checkpoint-1'} instead (--resume_from_checkpoint {output_dir / 'checkpoint-1'}).")
+    with pytest.raises(UserError) as refused:
+        finetune.train(config=LORA, max_steps=3, output_dir=str(output_dir), **LORA_ARGS)
+    assert str(refused.value) == expected
+    capfd.readouterr()
+    assert cli.main(["check", "--config", str(LORA), "--max_steps", "3", "--output_dir", str(output_dir),
+                     *(f"--{key}={value}" for key, value in LORA_ARGS.items())]) == 2
+    assert capfd.readouterr().err.strip().splitlines()[-1] == f"error: {expected}"
+
+
 class CallsAllowedClass:
     """Unpickled, it calls an allowed class with arguments of its own (REDUCE), as no checkpoint file does."""
 

@@ -58,6 +58,7 @@ def check_output_dir(run) -> None:
         if run.recorded_settings:
             resume.check_relaunch(run, run.recorded_settings, run.resumes_from, output_dir)
         resume.check_checkpoint_weights(run.resumes_from)
+        resume.check_optimizer_state(run.resumes_from)
 
 
 def _check_run_in_folder(run, output_dir: Path) -> None:

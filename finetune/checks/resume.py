@@ -228,6 +228,34 @@ def check_checkpoint_weights(checkpoint: Path) -> None:
                             f"(its loss logged as 0); {fall_back(checkpoint)}.")
 
 
+def check_optimizer_state(checkpoint: Path) -> None:
+    """The Trainer's optimizer.pt (one process, DDP) holding NaN or infinite values in a tensor of its state (a moment
+    of Adam's, of one parameter): the Trainer loads it as it is and its first step carries them into the weights (a run
+    resumed from Adam moments holding NaN trained on NaN, logged its loss as 0 and saved NaN weights, exit 0). Read
+    from its memory map one tensor at a time, weights-only (`read_safely`), ~1 s per GB on a 2-core CPU (a LoRA run's
+    is megabytes, a full fine-tune's twice the model in float32). A file this read refuses (cut short, a pickle of
+    another class, the format before torch 1.6, which cannot be mapped) is left to the Trainer's own read, which refuses
+    or reads it as before; the sharded states of ZeRO (global_stepN/) and FSDP (optimizer_0/) to their readers."""
+    import torch
+
+    path = checkpoint / "optimizer.pt"
+    if not path.is_file():
+        return
+    try:
+        with read_safely(checkpoint):
+            saved = torch.load(path, map_location="cpu", mmap=True)
+    except UserError:
+        return
+    per_parameter = saved.get("state") if isinstance(saved, dict) else None
+    for index, values in (per_parameter if isinstance(per_parameter, dict) else {}).items():
+        for key, value in (values if isinstance(values, dict) else {}).items():
+            if torch.is_tensor(value) and value.is_floating_point() and \
+                    not torch.isfinite(torch.sum(value, dtype=torch.float32)):
+                raise UserError(f"{path}: state[{index}].{key} holds NaN or infinite values, which the resumed run "
+                                f"would carry into the weights it updates from its first step (its loss logged as 0 "
+                                f"once they are NaN); {fall_back(checkpoint)}.")
+
+
 def check_trainer_state(run, checkpoint: Path) -> None:
     """A checkpoint's trainer_state.json must agree with its folder and the run: the Trainer resumes at its
     `global_step` whatever the folder's name, and from a step beyond max_steps trains nothing and saves the run as
