@@ -321,9 +321,14 @@ def test_a_json_with_comments_and_trailing_commas_trains_as_deepspeed_reads_it(g
 @pytest.mark.parametrize("content, words", [
     ('{"zero_optimization": {"stage": 2}, "zero_optimization": {"stage": 3}}',
      "`zero_optimization` is set twice in one object (DeepSpeed refuses that"),
+    ('{"zero_optimization": {"stage": 2, "stage": 3}, "gradient_accumulation_steps": "auto"}',
+     "`zero_optimization.stage` is set twice in one object (DeepSpeed refuses that"),
+    ('{"zero_optimization": {"offload_param": {"device": "cpu", "device": "none"}, "stage": 3},}',
+     "`zero_optimization.offload_param.device` is set twice in one object (DeepSpeed refuses that"),
     ('{"zero_optimization": {"stage": 2 "overlap_comm": true}}',
      "not valid JSON at line 1, column 35 (Expecting ',' delimiter)"),
-], ids=["key set twice", "broken"])
+], ids=["key set twice", "key set twice inside an object", "key set twice inside an object, read by hjson",
+        "broken"])
 def test_a_json_deepspeed_would_not_read_either_is_refused_naming_where(content, words, tmp_path, monkeypatch):
     found = checked_as_launched("torchrun", write(tmp_path / "ds.json", content), tmp_path, monkeypatch)
     assert len(found) == 1 and found[0].startswith(f"{tmp_path / 'ds.json'}: ") and words in found[0], found

@@ -80,15 +80,18 @@ def deepspeed_json_read(text: str, named: str):
     and trailing commas of DeepSpeed's own examples, and refuses a key set twice), or a UserError naming `named`.
     transformers and accelerate read JSON only; the run hands them what is read here (launch.deepspeed_config), so
     what DeepSpeed reads trains."""
-    duplicates = []
+    duplicates = []  # (key, the object holding it twice)
 
     def unique_keys(pairs):  # json and hjson keep the last of two equal keys without a word
-        duplicates.extend(key for index, (key, _) in enumerate(pairs) if key in [seen for seen, _ in pairs[:index]])
-        return dict(pairs)
+        values = dict(pairs)
+        duplicates.extend((key, values) for index, (key, _) in enumerate(pairs)
+                          if key in [seen for seen, _ in pairs[:index]])
+        return values
 
     try:
         values = json.loads(text, object_pairs_hook=unique_keys)
     except json.JSONDecodeError as error:
+        duplicates.clear()  # found in the objects read before the error: hjson reads them again
         try:
             import hjson  # DeepSpeed's own reader, installed with it
         except ImportError:
@@ -101,11 +104,25 @@ def deepspeed_json_read(text: str, named: str):
             raise UserError(f"{named}: not valid JSON at line {error.lineno}, column {error.colno} ({error.msg}); fix "
                             f"it there.") from None
     if duplicates:
-        listed = " and ".join(f"`{key}`" for key in dict.fromkeys(duplicates))
-        raise UserError(f"{named}: {listed} {'is' if len(set(duplicates)) == 1 else 'are'} set twice in one object "
+        dotted = list(dict.fromkeys(_path_to(holder, values) + key for key, holder in duplicates))
+        listed = " and ".join(f"`{key}`" for key in dotted)
+        raise UserError(f"{named}: {listed} {'is' if len(dotted) == 1 else 'are'} set twice in one object "
                         f"(DeepSpeed refuses that; transformers would keep the last without a word); keep one of "
                         f"each.")
     return values
+
+
+def _path_to(holder: dict, node, prefix: str = "") -> str:
+    """The dotted path of the object `holder` inside `node` followed by a dot ("" for `node` itself, and for an object
+    a repeated key has replaced, which is named by its own key alone)."""
+    if node is holder:
+        return prefix
+    children = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for key, child in children:
+        found = _path_to(holder, child, f"{prefix}{key}.")
+        if found:
+            return found
+    return ""
 
 
 def read_deepspeed_config(config_file: str, accelerate_file: str | None = None,
