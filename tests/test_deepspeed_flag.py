@@ -380,9 +380,14 @@ def test_a_path_relative_to_the_recipe_is_refused_naming_the_path_that_works(tmp
 
 def use_deepspeed_launch(monkeypatch, flags: list[str]) -> None:
     """This process as a training process of `accelerate launch --use_deepspeed FLAGS --num_processes 2 sft.py`."""
+    launched_by(monkeypatch, ["--use_deepspeed", *flags])
+
+
+def launched_by(monkeypatch, flags: list[str]) -> None:
+    """This process as a training process of `accelerate launch FLAGS --num_processes 2 sft.py`."""
     from finetune.config import launch_request
 
-    arguments = ["--use_deepspeed", *flags, "--num_processes", "2", SCRIPT]
+    arguments = [*flags, "--num_processes", "2", SCRIPT]
     environment, _ = training_process_environment(arguments)
     for name, value in {**environment, "WORLD_SIZE": "1"}.items():
         monkeypatch.setenv(name, value)
@@ -410,6 +415,60 @@ def test_accelerate_launch_use_deepspeed_trains_the_flags_json_or_refuses_a_stag
     assert found == [f"the accelerate launch command line: `--zero_stage 2` asks for ZeRO-2 while --deepspeed "
                      f"{json_file} asks for ZeRO-3, and one launch trains with one of them; remove --zero_stage 2 "
                      f"from the accelerate launch command to train with --deepspeed {json_file}."], found
+
+
+ZERO2_YAML = str(ROOT / "accelerate_configs" / "zero2.yaml")
+ZERO3_JSON = str(ROOT / "ds_configs" / "zero3.json")
+LLAMA_FACTORY_ZERO3 = str(LLAMA_FACTORY / "ds_z3_config.json")
+# A DeepSpeed flag of accelerate's launcher beside a JSON that sets the same key otherwise, which accelerate ignores
+# without a word (it fills only "auto" values from the flags): (name, launcher flags, the flag, --deepspeed or None,
+# the JSON as the refusal names it, what the JSON asks for in its words)
+FLAGS_BESIDE_A_JSON = [
+    ("accelerate config's JSON", ["--config_file", ZERO2_YAML, "--offload_optimizer_device", "cpu"],
+     ["--offload_optimizer_device", "cpu"], None, "ds_configs/zero2.json",
+     "sets no `zero_optimization.offload_optimizer.device`"),
+    ("--deepspeed_config_file", ["--use_deepspeed", "--deepspeed_config_file", ZERO3_JSON, "--zero3_save_16bit_model",
+                                 "false"], ["--zero3_save_16bit_model", "false"], None, ZERO3_JSON,
+     "asks for `zero_optimization.stage3_gather_16bit_weights_on_model_save: true`"),
+    ("--deepspeed", ["--use_deepspeed", "--zero_stage", "3", "--offload_param_device", "cpu"],
+     ["--offload_param_device", "cpu"], LLAMA_FACTORY_ZERO3, f"--deepspeed {LLAMA_FACTORY_ZERO3}",
+     "sets no `zero_optimization.offload_param.device`"),
+]
+
+
+@pytest.mark.parametrize("name, flags, flag, deepspeed, named, theirs", FLAGS_BESIDE_A_JSON,
+                         ids=[case[0] for case in FLAGS_BESIDE_A_JSON])
+def test_a_launcher_deepspeed_flag_the_json_would_override_is_refused_naming_both(name, flags, flag, deepspeed, named,
+                                                                                 theirs, tmp_path, monkeypatch):
+    """`accelerate launch --config_file accelerate_configs/zero2.yaml --offload_optimizer_device cpu` trained ZeRO-2
+    without offload: accelerate takes the JSON's settings and a flag only where the JSON says "auto". Refused before
+    loading, naming the flag, its key and the JSON; removing the flag, as the refusal says, trains."""
+    arguments = [*TINY, *(["--deepspeed", deepspeed] if deepspeed else []), "--output_dir", str(tmp_path / "out")]
+    launched_by(monkeypatch, flags)
+    found = [str(problem) for problem in problems_before_loading(arguments, 2)]
+    key = {"--offload_optimizer_device": "zero_optimization.offload_optimizer.device",
+           "--zero3_save_16bit_model": "zero_optimization.stage3_gather_16bit_weights_on_model_save",
+           "--offload_param_device": "zero_optimization.offload_param.device"}[flag[0]]
+    assert len(found) == 1 and f"`{' '.join(flag)}` asks for `{key}: {flag[1]}` while {named} {theirs}" in found[0], \
+        found
+    assert found[0].endswith(f"; remove {' '.join(flag)} from the accelerate launch command to train with {named}.")
+    launched_by(monkeypatch, [arg for arg in flags if arg not in flag])
+    assert problems_before_loading(arguments, 2) == []
+
+
+def test_a_launcher_deepspeed_flag_fills_the_jsons_auto_value(tmp_path, monkeypatch):
+    """Where the JSON says "auto", accelerate fills the value from the launcher's flag: it trains as the flag says."""
+    from finetune.run import arguments
+
+    json_file = write(tmp_path / "ds.json", json.dumps({
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "auto"}},
+        "gradient_accumulation_steps": "auto", "train_micro_batch_size_per_gpu": "auto"}))
+    launched_by(monkeypatch, ["--use_deepspeed", "--deepspeed_config_file", str(json_file),
+                              "--offload_optimizer_device", "cpu"])
+    asked = [*TINY, "--output_dir", str(tmp_path / "out")]
+    assert problems_before_loading(asked, 2) == []
+    zero = arguments.parse_args(asked).training.deepspeed_plugin.deepspeed_config["zero_optimization"]
+    assert zero["offload_optimizer"]["device"] == "cpu", zero
 
 
 def test_an_auto_value_nothing_fills_is_refused_unless_its_block_gives_way_to_the_recipe(tmp_path, monkeypatch):
