@@ -114,6 +114,14 @@ says what to revisit and which test fails first.
   why: under a ZeRO-3 launch `from_config` builds empty partitions, which would be saved as the tiny model.
   targets: transformers 5.17-5.24.
   guarded by: test_distributed.py::test_full_finetune_gives_the_single_process_answer[zero3].
+- `nvme_paths_accelerate_does_not_export`
+  does: gives the training arguments, while they build accelerate's DeepSpeedPlugin, the launch's
+  `offload_optimizer_nvme_path` and `offload_param_nvme_path` (flags or deepspeed_config fields) in the variables the
+  plugin reads (`ACCELERATE_DEEPSPEED_OFFLOAD_*_NVME_PATH`).
+  why: accelerate's launcher exports every other DeepSpeed field to the training processes but not these two
+  (`prepare_deepspeed_cmd_env`), so NVMe offload without a JSON would swap to a folder named `none`.
+  targets: accelerate 1.16.
+  guarded by: test_deepspeed_flag.py::test_nvme_offload_flags_reach_deepspeed_or_are_refused_before_loading.
 - `trainer_output_dir`
   does: reads the folder the Trainer saves checkpoints into through its private `Trainer._get_output_dir(trial)`.
   why: the completeness marker and the rotation go to the folder the Trainer's save wrote (for a hyperparameter-search
@@ -624,6 +632,20 @@ def zero3_init_off():
         yield
     finally:
         hf_deepspeed._hf_deepspeed_config_weak_ref = saved
+
+
+# The variables accelerate's DeepSpeedPlugin reads each NVMe folder from, by the launcher's field
+NVME_PATH_VARIABLES = {"offload_optimizer_nvme_path": "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_NVME_PATH",
+                       "offload_param_nvme_path": "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_NVME_PATH"}
+
+
+def nvme_paths_accelerate_does_not_export(request) -> dict[str, str]:
+    """The NVMe folders the launch (a LaunchRequest, or None) names, as the variables accelerate's launcher would
+    have exported; one already in the environment is kept."""
+    if request is None:
+        return {}
+    return {variable: str(request.value(field)) for field, variable in NVME_PATH_VARIABLES.items()
+            if request.value(field) is not None and variable not in os.environ}
 
 
 def trainer_output_dir(trainer, trial) -> Path:

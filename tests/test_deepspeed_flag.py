@@ -471,6 +471,74 @@ def test_a_launcher_deepspeed_flag_fills_the_jsons_auto_value(tmp_path, monkeypa
     assert zero["offload_optimizer"]["device"] == "cpu", zero
 
 
+# A DeepSpeed launch without a JSON whose offload DeepSpeed would ignore or fail on after loading: (name, launcher
+# flags after --use_deepspeed, words of the refusal, the flags with its fix applied as written)
+OFFLOAD_REFUSED = [
+    ("parameters below ZeRO-3", ["--offload_param_device", "cpu"],
+     "`--offload_param_device cpu` offloads the parameters only from ZeRO-3 on, and this launch trains ZeRO-2 "
+     "(accelerate's default), where DeepSpeed would ignore it; add --zero_stage 3 to the accelerate launch command",
+     ["--offload_param_device", "cpu", "--zero_stage", "3"]),
+    ("optimizer under ZeRO-0", ["--zero_stage", "0", "--offload_optimizer_device", "cpu"],
+     "`--offload_optimizer_device cpu` offloads the optimizer states only from ZeRO-1 on, and this launch trains "
+     "ZeRO-0 (`--zero_stage 0`), where DeepSpeed would ignore it; add --zero_stage 2 to the accelerate launch command",
+     ["--zero_stage", "0", "--offload_optimizer_device", "cpu", "--zero_stage", "2"]),
+    ("no such device", ["--offload_optimizer_device", "cpus"],
+     "`--offload_optimizer_device cpus` is not a device DeepSpeed offloads to (it fails on it once the model is "
+     "loaded); set `--offload_optimizer_device` to cpu, nvme or none.", ["--offload_optimizer_device", "cpu"]),
+]
+
+
+@pytest.mark.parametrize("name, flags, words, fixed", OFFLOAD_REFUSED, ids=[case[0] for case in OFFLOAD_REFUSED])
+def test_an_offload_flag_deepspeed_would_ignore_or_fail_on_is_refused_before_loading(name, flags, words, fixed,
+                                                                                      tmp_path, monkeypatch):
+    """The setup line read `"offload": {"parameters": "cpu"}` from the config of a ZeRO-2 run that offloaded nothing."""
+    arguments = [*TINY, "--output_dir", str(tmp_path / "out")]
+    use_deepspeed_launch(monkeypatch, flags)
+    found = [str(problem) for problem in problems_before_loading(arguments, 2)]
+    assert len(found) == 1 and found[0].startswith(f"the accelerate launch command line: {words}"), found
+    use_deepspeed_launch(monkeypatch, fixed)
+    assert problems_before_loading(arguments, 2) == []
+
+
+def test_an_accelerate_config_deepspeed_block_is_refused_by_check_as_by_the_launch(tmp_path, monkeypatch, capfd):
+    """The same fields in a config file's deepspeed_config block (no deepspeed_config_file): `finetune check` and the
+    training process give the same one sentence."""
+    from tests.test_check import check_finds, launch_refuses
+
+    config_file = write(tmp_path / "zero2_offload.yaml", "compute_environment: LOCAL_MACHINE\ndistributed_type: "
+                        "DEEPSPEED\ndeepspeed_config:\n  zero_stage: 2\n  offload_param_device: cpu\nnum_machines: 1"
+                        "\nnum_processes: 2\n")
+    arguments = [*TINY, "--output_dir", str(tmp_path / "out")]
+    checked = check_finds(capfd, ["--config_file", str(config_file), *arguments])
+    assert checked == [f"error: {config_file}: `offload_param_device: cpu` offloads the parameters only from ZeRO-3 "
+                       f"on, and this launch trains ZeRO-2 (`zero_stage: 2`), where DeepSpeed would ignore it; add "
+                       f"--zero_stage 3 to the accelerate launch command or remove `offload_param_device: cpu`."]
+    launched_by(monkeypatch, ["--config_file", str(config_file)])
+    assert launch_refuses(arguments, capfd, monkeypatch) == checked[0]
+
+
+def test_nvme_offload_flags_reach_deepspeed_or_are_refused_before_loading(tmp_path, monkeypatch):
+    """accelerate's launcher exports every DeepSpeed flag but the NVMe folders, so DeepSpeed swapped to a folder
+    named `none`: the folder reaches DeepSpeed's config, and a folder missing here is refused before loading (libaio
+    aside: DeepSpeed's async_io op, which may be installed)."""
+    from finetune.checks import launch as accelerate_checks
+    from finetune.run import arguments
+
+    monkeypatch.setattr(accelerate_checks, "_async_io_loads", lambda: True)
+    nvme = tmp_path / "nvme"
+    use_deepspeed_launch(monkeypatch, ["--zero_stage", "3", "--offload_param_device", "nvme",
+                                       "--offload_param_nvme_path", str(nvme)])
+    asked = [*TINY, "--output_dir", str(tmp_path / "out")]
+    found = [str(problem) for problem in problems_before_loading(asked, 2)]
+    assert found == [f"the accelerate launch command line: `--offload_param_device nvme` needs a folder for its swap "
+                     f"files at `--offload_param_nvme_path` ({nvme} is not a folder on this machine); set "
+                     f"`--offload_param_device` to `cpu` (or create that folder on a local NVMe drive)."], found
+    nvme.mkdir()
+    assert problems_before_loading(asked, 2) == []
+    zero = arguments.parse_args(asked).training.deepspeed_plugin.deepspeed_config["zero_optimization"]
+    assert zero["offload_param"] == {"device": "nvme", "nvme_path": str(nvme)}, zero
+
+
 def test_an_auto_value_nothing_fills_is_refused_unless_its_block_gives_way_to_the_recipe(tmp_path, monkeypatch):
     """accelerate raises after loading on an "auto" that neither transformers nor accelerate fill; an AdamW or a
     scheduler block is left out of the run (it gives way), its "auto" values with it."""

@@ -256,6 +256,11 @@ class LaunchRequest:
             return self.flags[name]
         return _as_launcher_arguments(self.fields).get(name, default)
 
+    def named(self, name: str) -> str:
+        """How the user names a field: `--flag` on the command line (also for a launch without a file), `field` in
+        the file."""
+        return f"`--{name}`" if name in self.flags or self.file is None else f"`{name}`"
+
     def written(self, name: str) -> str:
         """How the user wrote a field: `--flag value` on the command line, `field: value` in the file."""
         value = self.value(name)
