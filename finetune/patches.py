@@ -110,10 +110,16 @@ says what to revisit and which test fails first.
   guarded by: tests/test_expert_lora.py (against peft's path),
   test_distributed.py::test_lora_saves_the_single_process_adapter.
 - `zero3_init_off`
-  does: unsets transformers' ZeRO-3 flag (`_hf_deepspeed_config_weak_ref`) while the tiny model is built and written.
-  why: under a ZeRO-3 launch `from_config` builds empty partitions, which would be saved as the tiny model.
-  targets: transformers 5.17-5.24.
-  guarded by: test_distributed.py::test_full_finetune_gives_the_single_process_answer[zero3].
+  does: unsets transformers' ZeRO-3 flag (`_hf_deepspeed_config_weak_ref`) while the tiny model is built and written,
+  while the meta skeleton the checks read is built, and while the model loads in a ZeRO-3 launch whose
+  `zero3_init_flag` is false.
+  why: under a ZeRO-3 launch `from_config` builds empty partitions, which would be saved as the tiny model; and
+  accelerate sets the flag for every ZeRO-3 launch (`DeepSpeedPlugin.set_deepspeed_weakref`), so that transformers
+  loads under deepspeed.zero.Init whatever `zero3_init_flag` says (huggingface/transformers#28106).
+  targets: transformers 5.17-5.25, accelerate 1.15-1.16.
+  guarded by: test_distributed.py::test_full_finetune_gives_the_single_process_answer[zero3],
+  test_deepspeed_flag.py::test_zero3_init_flag_false_loads_the_model_whole and
+  test_deepspeed_flag.py::test_accelerate_launch_use_deepspeed_flags_reach_the_engine_and_the_saved_model.
 - `nvme_paths_accelerate_does_not_export`
   does: gives the training arguments, while they build accelerate's DeepSpeedPlugin, the launch's
   `offload_optimizer_nvme_path` and `offload_param_nvme_path` (flags or deepspeed_config fields) in the variables the
@@ -622,8 +628,8 @@ def switch_cpu_state_to_fsdp() -> None:
 
 @contextlib.contextmanager
 def zero3_init_off():
-    """`from_config` inside a ZeRO-3 launch builds the model under deepspeed.zero.Init (placeholders for the rank's
-    partition); with transformers' ZeRO-3 flag unset it builds whole parameters."""
+    """`from_config` and `from_pretrained` inside a ZeRO-3 launch build the model under deepspeed.zero.Init
+    (placeholders for the rank's partition); with transformers' ZeRO-3 flag unset they build whole parameters."""
     from transformers.integrations import deepspeed as hf_deepspeed
 
     saved = hf_deepspeed._hf_deepspeed_config_weak_ref

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from finetune.commands.check import problems_before_loading, training_process_environment
-from tests.helpers import ACCELERATE, ROOT, free_port, printed_setup, write
+from tests.helpers import ACCELERATE, ROOT, free_port, launch_sft, printed_setup, write
 from tests.test_bad_inputs import FULL, TINY, with_keys
 
 CONFIGS = ROOT / "tests" / "data" / "external" / "configs"
@@ -537,6 +537,50 @@ def test_nvme_offload_flags_reach_deepspeed_or_are_refused_before_loading(tmp_pa
     assert problems_before_loading(asked, 2) == []
     zero = arguments.parse_args(asked).training.deepspeed_plugin.deepspeed_config["zero_optimization"]
     assert zero["offload_param"] == {"device": "nvme", "nvme_path": str(nvme)}, zero
+
+
+@pytest.mark.parametrize("flag, whole", [([], False), (["--zero3_init_flag", "true"], False),
+                                         (["--zero3_init_flag", "false"], True)], ids=["default", "true", "false"])
+def test_zero3_init_flag_false_loads_the_model_whole(flag, whole, tmp_path, monkeypatch):
+    """accelerate marks every ZeRO-3 launch for transformers, which then loaded under deepspeed.zero.Init whatever
+    `--zero3_init_flag` said: `false` now loads the whole model in each process, as accelerate documents it."""
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    from finetune.run import arguments, model
+
+    class Loaded(Exception):
+        pass
+
+    def from_pretrained(*_, **__):
+        raise Loaded(is_deepspeed_zero3_enabled())
+
+    use_deepspeed_launch(monkeypatch, ["--zero_stage", "3", *flag])
+    run = arguments.parse_args([*TINY, "--output_dir", str(tmp_path / "out")])
+    monkeypatch.setattr(model.AutoModelForCausalLM, "from_pretrained", from_pretrained)
+    with pytest.raises(Loaded) as loaded:
+        model.load_model(run, "tiny")
+    assert loaded.value.args == (not whole,)
+
+
+@pytest.mark.launches
+def test_accelerate_launch_use_deepspeed_flags_reach_the_engine_and_the_saved_model(tmp_path, monkeypatch):
+    """`accelerate launch --use_deepspeed` without a JSON, every DeepSpeed flag of its launcher given: ZeRO-3 with the
+    parameters and optimizer states in CPU memory (DeepSpeed's CPU Adam), the model loaded whole in each process
+    (transformers says when it loads under zero.Init), and the 16-bit model gathered into model.safetensors."""
+    monkeypatch.setenv("TRANSFORMERS_VERBOSITY", "info")
+    output_dir = tmp_path / "out"
+    launcher = [ACCELERATE, "launch", "-q", "--use_deepspeed", "--num_processes", "2", "--main_process_port",
+                str(free_port()), "--zero_stage", "3", "--offload_optimizer_device", "cpu", "--offload_param_device",
+                "cpu", "--zero3_init_flag", "false", "--zero3_save_16bit_model", "true",
+                "--gradient_accumulation_steps", "2", "--gradient_clipping", "1.0"]
+    result = launch_sft(*TINY, "--max_steps", "2", "--eval_strategy", "no", "--report_to", "none",
+                        "--eval_samples_before_after", "0", "--output_dir", str(output_dir), launcher=launcher)
+    assert result.returncode == 0, result.stderr[-3000:]
+    setup = printed_setup(result.stdout)
+    assert (setup["world_size"], setup["strategy"], setup["optimizer"], setup["offload"]) == (
+        2, "zero3", "DeepSpeedCPUAdam", {"optimizer": "cpu", "parameters": "cpu"}), setup
+    assert "activating zero.init()" not in result.stdout + result.stderr
+    assert (output_dir / "model.safetensors").is_file()
 
 
 def test_an_auto_value_nothing_fills_is_refused_unless_its_block_gives_way_to_the_recipe(tmp_path, monkeypatch):
