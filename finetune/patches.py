@@ -110,10 +110,24 @@ says what to revisit and which test fails first.
   guarded by: tests/test_expert_lora.py (against peft's path),
   test_distributed.py::test_lora_saves_the_single_process_adapter.
 - `zero3_init_off`
-  does: unsets transformers' ZeRO-3 flag (`_hf_deepspeed_config_weak_ref`) while the tiny model is built and written.
-  why: under a ZeRO-3 launch `from_config` builds empty partitions, which would be saved as the tiny model.
-  targets: transformers 5.17-5.24.
-  guarded by: test_distributed.py::test_full_finetune_gives_the_single_process_answer[zero3].
+  does: unsets transformers' ZeRO-3 flag (`_hf_deepspeed_config_weak_ref`) while the tiny model is built and written,
+  while the meta skeleton the checks read is built, and while the model loads in a ZeRO-3 launch whose
+  `zero3_init_flag` is false.
+  why: under a ZeRO-3 launch `from_config` builds empty partitions, which would be saved as the tiny model; and
+  accelerate sets the flag for every ZeRO-3 launch (`DeepSpeedPlugin.set_deepspeed_weakref`), so that transformers
+  loads under deepspeed.zero.Init whatever `zero3_init_flag` says (huggingface/transformers#28106).
+  targets: transformers 5.17-5.25, accelerate 1.15-1.16.
+  guarded by: test_distributed.py::test_full_finetune_gives_the_single_process_answer[zero3],
+  test_deepspeed_flag.py::test_zero3_init_flag_false_loads_the_model_whole and
+  test_deepspeed_flag.py::test_accelerate_launch_use_deepspeed_flags_reach_the_engine_and_the_saved_model.
+- `nvme_paths_accelerate_does_not_export`
+  does: gives the training arguments, while they build accelerate's DeepSpeedPlugin, the launch's
+  `offload_optimizer_nvme_path` and `offload_param_nvme_path` (flags or deepspeed_config fields) in the variables the
+  plugin reads (`ACCELERATE_DEEPSPEED_OFFLOAD_*_NVME_PATH`).
+  why: accelerate's launcher exports every other DeepSpeed field to the training processes but not these two
+  (`prepare_deepspeed_cmd_env`), so NVMe offload without a JSON would swap to a folder named `none`.
+  targets: accelerate 1.16.
+  guarded by: test_deepspeed_flag.py::test_nvme_offload_flags_reach_deepspeed_or_are_refused_before_loading.
 - `trainer_output_dir`
   does: reads the folder the Trainer saves checkpoints into through its private `Trainer._get_output_dir(trial)`.
   why: the completeness marker and the rotation go to the folder the Trainer's save wrote (for a hyperparameter-search
@@ -614,8 +628,8 @@ def switch_cpu_state_to_fsdp() -> None:
 
 @contextlib.contextmanager
 def zero3_init_off():
-    """`from_config` inside a ZeRO-3 launch builds the model under deepspeed.zero.Init (placeholders for the rank's
-    partition); with transformers' ZeRO-3 flag unset it builds whole parameters."""
+    """`from_config` and `from_pretrained` inside a ZeRO-3 launch build the model under deepspeed.zero.Init
+    (placeholders for the rank's partition); with transformers' ZeRO-3 flag unset they build whole parameters."""
     from transformers.integrations import deepspeed as hf_deepspeed
 
     saved = hf_deepspeed._hf_deepspeed_config_weak_ref
@@ -624,6 +638,20 @@ def zero3_init_off():
         yield
     finally:
         hf_deepspeed._hf_deepspeed_config_weak_ref = saved
+
+
+# The variables accelerate's DeepSpeedPlugin reads each NVMe folder from, by the launcher's field
+NVME_PATH_VARIABLES = {"offload_optimizer_nvme_path": "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_NVME_PATH",
+                       "offload_param_nvme_path": "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_NVME_PATH"}
+
+
+def nvme_paths_accelerate_does_not_export(request) -> dict[str, str]:
+    """The NVMe folders the launch (a LaunchRequest, or None) names, as the variables accelerate's launcher would
+    have exported; one already in the environment is kept."""
+    if request is None:
+        return {}
+    return {variable: str(request.value(field)) for field, variable in NVME_PATH_VARIABLES.items()
+            if request.value(field) is not None and variable not in os.environ}
 
 
 def trainer_output_dir(trainer, trial) -> Path:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from finetune.commands.check import problems_before_loading, training_process_environment
-from tests.helpers import ACCELERATE, ROOT, free_port, printed_setup, write
+from tests.helpers import ACCELERATE, ROOT, free_port, launch_sft, printed_setup, write
 from tests.test_bad_inputs import FULL, TINY, with_keys
 
 CONFIGS = ROOT / "tests" / "data" / "external" / "configs"
@@ -321,9 +321,14 @@ def test_a_json_with_comments_and_trailing_commas_trains_as_deepspeed_reads_it(g
 @pytest.mark.parametrize("content, words", [
     ('{"zero_optimization": {"stage": 2}, "zero_optimization": {"stage": 3}}',
      "`zero_optimization` is set twice in one object (DeepSpeed refuses that"),
+    ('{"zero_optimization": {"stage": 2, "stage": 3}, "gradient_accumulation_steps": "auto"}',
+     "`zero_optimization.stage` is set twice in one object (DeepSpeed refuses that"),
+    ('{"zero_optimization": {"offload_param": {"device": "cpu", "device": "none"}, "stage": 3},}',
+     "`zero_optimization.offload_param.device` is set twice in one object (DeepSpeed refuses that"),
     ('{"zero_optimization": {"stage": 2 "overlap_comm": true}}',
      "not valid JSON at line 1, column 35 (Expecting ',' delimiter)"),
-], ids=["key set twice", "broken"])
+], ids=["key set twice", "key set twice inside an object", "key set twice inside an object, read by hjson",
+        "broken"])
 def test_a_json_deepspeed_would_not_read_either_is_refused_naming_where(content, words, tmp_path, monkeypatch):
     found = checked_as_launched("torchrun", write(tmp_path / "ds.json", content), tmp_path, monkeypatch)
     assert len(found) == 1 and found[0].startswith(f"{tmp_path / 'ds.json'}: ") and words in found[0], found
@@ -375,9 +380,14 @@ def test_a_path_relative_to_the_recipe_is_refused_naming_the_path_that_works(tmp
 
 def use_deepspeed_launch(monkeypatch, flags: list[str]) -> None:
     """This process as a training process of `accelerate launch --use_deepspeed FLAGS --num_processes 2 sft.py`."""
+    launched_by(monkeypatch, ["--use_deepspeed", *flags])
+
+
+def launched_by(monkeypatch, flags: list[str]) -> None:
+    """This process as a training process of `accelerate launch FLAGS --num_processes 2 sft.py`."""
     from finetune.config import launch_request
 
-    arguments = ["--use_deepspeed", *flags, "--num_processes", "2", SCRIPT]
+    arguments = [*flags, "--num_processes", "2", SCRIPT]
     environment, _ = training_process_environment(arguments)
     for name, value in {**environment, "WORLD_SIZE": "1"}.items():
         monkeypatch.setenv(name, value)
@@ -405,6 +415,172 @@ def test_accelerate_launch_use_deepspeed_trains_the_flags_json_or_refuses_a_stag
     assert found == [f"the accelerate launch command line: `--zero_stage 2` asks for ZeRO-2 while --deepspeed "
                      f"{json_file} asks for ZeRO-3, and one launch trains with one of them; remove --zero_stage 2 "
                      f"from the accelerate launch command to train with --deepspeed {json_file}."], found
+
+
+ZERO2_YAML = str(ROOT / "accelerate_configs" / "zero2.yaml")
+ZERO3_JSON = str(ROOT / "ds_configs" / "zero3.json")
+LLAMA_FACTORY_ZERO3 = str(LLAMA_FACTORY / "ds_z3_config.json")
+# A DeepSpeed flag of accelerate's launcher beside a JSON that sets the same key otherwise, which accelerate ignores
+# without a word (it fills only "auto" values from the flags): (name, launcher flags, the flag, --deepspeed or None,
+# the JSON as the refusal names it, what the JSON asks for in its words)
+FLAGS_BESIDE_A_JSON = [
+    ("accelerate config's JSON", ["--config_file", ZERO2_YAML, "--offload_optimizer_device", "cpu"],
+     ["--offload_optimizer_device", "cpu"], None, "ds_configs/zero2.json",
+     "sets no `zero_optimization.offload_optimizer.device`"),
+    ("--deepspeed_config_file", ["--use_deepspeed", "--deepspeed_config_file", ZERO3_JSON, "--zero3_save_16bit_model",
+                                 "false"], ["--zero3_save_16bit_model", "false"], None, ZERO3_JSON,
+     "asks for `zero_optimization.stage3_gather_16bit_weights_on_model_save: true`"),
+    ("--deepspeed", ["--use_deepspeed", "--zero_stage", "3", "--offload_param_device", "cpu"],
+     ["--offload_param_device", "cpu"], LLAMA_FACTORY_ZERO3, f"--deepspeed {LLAMA_FACTORY_ZERO3}",
+     "sets no `zero_optimization.offload_param.device`"),
+]
+
+
+@pytest.mark.parametrize("name, flags, flag, deepspeed, named, theirs", FLAGS_BESIDE_A_JSON,
+                         ids=[case[0] for case in FLAGS_BESIDE_A_JSON])
+def test_a_launcher_deepspeed_flag_the_json_would_override_is_refused_naming_both(name, flags, flag, deepspeed, named,
+                                                                                 theirs, tmp_path, monkeypatch):
+    """`accelerate launch --config_file accelerate_configs/zero2.yaml --offload_optimizer_device cpu` trained ZeRO-2
+    without offload: accelerate takes the JSON's settings and a flag only where the JSON says "auto". Refused before
+    loading, naming the flag, its key and the JSON; removing the flag, as the refusal says, trains."""
+    arguments = [*TINY, *(["--deepspeed", deepspeed] if deepspeed else []), "--output_dir", str(tmp_path / "out")]
+    launched_by(monkeypatch, flags)
+    found = [str(problem) for problem in problems_before_loading(arguments, 2)]
+    key = {"--offload_optimizer_device": "zero_optimization.offload_optimizer.device",
+           "--zero3_save_16bit_model": "zero_optimization.stage3_gather_16bit_weights_on_model_save",
+           "--offload_param_device": "zero_optimization.offload_param.device"}[flag[0]]
+    assert len(found) == 1 and f"`{' '.join(flag)}` asks for `{key}: {flag[1]}` while {named} {theirs}" in found[0], \
+        found
+    assert found[0].endswith(f"; remove {' '.join(flag)} from the accelerate launch command to train with {named}.")
+    launched_by(monkeypatch, [arg for arg in flags if arg not in flag])
+    assert problems_before_loading(arguments, 2) == []
+
+
+def test_a_launcher_deepspeed_flag_fills_the_jsons_auto_value(tmp_path, monkeypatch):
+    """Where the JSON says "auto", accelerate fills the value from the launcher's flag: it trains as the flag says."""
+    from finetune.run import arguments
+
+    json_file = write(tmp_path / "ds.json", json.dumps({
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "auto"}},
+        "gradient_accumulation_steps": "auto", "train_micro_batch_size_per_gpu": "auto"}))
+    launched_by(monkeypatch, ["--use_deepspeed", "--deepspeed_config_file", str(json_file),
+                              "--offload_optimizer_device", "cpu"])
+    asked = [*TINY, "--output_dir", str(tmp_path / "out")]
+    assert problems_before_loading(asked, 2) == []
+    zero = arguments.parse_args(asked).training.deepspeed_plugin.deepspeed_config["zero_optimization"]
+    assert zero["offload_optimizer"]["device"] == "cpu", zero
+
+
+# A DeepSpeed launch without a JSON whose offload DeepSpeed would ignore or fail on after loading: (name, launcher
+# flags after --use_deepspeed, words of the refusal, the flags with its fix applied as written)
+OFFLOAD_REFUSED = [
+    ("parameters below ZeRO-3", ["--offload_param_device", "cpu"],
+     "`--offload_param_device cpu` offloads the parameters only from ZeRO-3 on, and this launch trains ZeRO-2 "
+     "(accelerate's default), where DeepSpeed would ignore it; add --zero_stage 3 to the accelerate launch command",
+     ["--offload_param_device", "cpu", "--zero_stage", "3"]),
+    ("optimizer under ZeRO-0", ["--zero_stage", "0", "--offload_optimizer_device", "cpu"],
+     "`--offload_optimizer_device cpu` offloads the optimizer states only from ZeRO-1 on, and this launch trains "
+     "ZeRO-0 (`--zero_stage 0`), where DeepSpeed would ignore it; add --zero_stage 2 to the accelerate launch command",
+     ["--zero_stage", "0", "--offload_optimizer_device", "cpu", "--zero_stage", "2"]),
+    ("no such device", ["--offload_optimizer_device", "cpus"],
+     "`--offload_optimizer_device cpus` is not a device DeepSpeed offloads to (it fails on it once the model is "
+     "loaded); set `--offload_optimizer_device` to cpu, nvme or none.", ["--offload_optimizer_device", "cpu"]),
+]
+
+
+@pytest.mark.parametrize("name, flags, words, fixed", OFFLOAD_REFUSED, ids=[case[0] for case in OFFLOAD_REFUSED])
+def test_an_offload_flag_deepspeed_would_ignore_or_fail_on_is_refused_before_loading(name, flags, words, fixed,
+                                                                                      tmp_path, monkeypatch):
+    """The setup line read `"offload": {"parameters": "cpu"}` from the config of a ZeRO-2 run that offloaded nothing."""
+    arguments = [*TINY, "--output_dir", str(tmp_path / "out")]
+    use_deepspeed_launch(monkeypatch, flags)
+    found = [str(problem) for problem in problems_before_loading(arguments, 2)]
+    assert len(found) == 1 and found[0].startswith(f"the accelerate launch command line: {words}"), found
+    use_deepspeed_launch(monkeypatch, fixed)
+    assert problems_before_loading(arguments, 2) == []
+
+
+def test_an_accelerate_config_deepspeed_block_is_refused_by_check_as_by_the_launch(tmp_path, monkeypatch, capfd):
+    """The same fields in a config file's deepspeed_config block (no deepspeed_config_file): `finetune check` and the
+    training process give the same one sentence."""
+    from tests.test_check import check_finds, launch_refuses
+
+    config_file = write(tmp_path / "zero2_offload.yaml", "compute_environment: LOCAL_MACHINE\ndistributed_type: "
+                        "DEEPSPEED\ndeepspeed_config:\n  zero_stage: 2\n  offload_param_device: cpu\nnum_machines: 1"
+                        "\nnum_processes: 2\n")
+    arguments = [*TINY, "--output_dir", str(tmp_path / "out")]
+    checked = check_finds(capfd, ["--config_file", str(config_file), *arguments])
+    assert checked == [f"error: {config_file}: `offload_param_device: cpu` offloads the parameters only from ZeRO-3 "
+                       f"on, and this launch trains ZeRO-2 (`zero_stage: 2`), where DeepSpeed would ignore it; add "
+                       f"--zero_stage 3 to the accelerate launch command or remove `offload_param_device: cpu`."]
+    launched_by(monkeypatch, ["--config_file", str(config_file)])
+    assert launch_refuses(arguments, capfd, monkeypatch) == checked[0]
+
+
+def test_nvme_offload_flags_reach_deepspeed_or_are_refused_before_loading(tmp_path, monkeypatch):
+    """accelerate's launcher exports every DeepSpeed flag but the NVMe folders, so DeepSpeed swapped to a folder
+    named `none`: the folder reaches DeepSpeed's config, and a folder missing here is refused before loading (libaio
+    aside: DeepSpeed's async_io op, which may be installed)."""
+    from finetune.checks import launch as accelerate_checks
+    from finetune.run import arguments
+
+    monkeypatch.setattr(accelerate_checks, "_async_io_loads", lambda: True)
+    nvme = tmp_path / "nvme"
+    use_deepspeed_launch(monkeypatch, ["--zero_stage", "3", "--offload_param_device", "nvme",
+                                       "--offload_param_nvme_path", str(nvme)])
+    asked = [*TINY, "--output_dir", str(tmp_path / "out")]
+    found = [str(problem) for problem in problems_before_loading(asked, 2)]
+    assert found == [f"the accelerate launch command line: `--offload_param_device nvme` needs a folder for its swap "
+                     f"files at `--offload_param_nvme_path` ({nvme} is not a folder on this machine); set "
+                     f"`--offload_param_device` to `cpu` (or create that folder on a local NVMe drive)."], found
+    nvme.mkdir()
+    assert problems_before_loading(asked, 2) == []
+    zero = arguments.parse_args(asked).training.deepspeed_plugin.deepspeed_config["zero_optimization"]
+    assert zero["offload_param"] == {"device": "nvme", "nvme_path": str(nvme)}, zero
+
+
+@pytest.mark.parametrize("flag, whole", [([], False), (["--zero3_init_flag", "true"], False),
+                                         (["--zero3_init_flag", "false"], True)], ids=["default", "true", "false"])
+def test_zero3_init_flag_false_loads_the_model_whole(flag, whole, tmp_path, monkeypatch):
+    """accelerate marks every ZeRO-3 launch for transformers, which then loaded under deepspeed.zero.Init whatever
+    `--zero3_init_flag` said: `false` now loads the whole model in each process, as accelerate documents it."""
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    from finetune.run import arguments, model
+
+    class Loaded(Exception):
+        pass
+
+    def from_pretrained(*_, **__):
+        raise Loaded(is_deepspeed_zero3_enabled())
+
+    use_deepspeed_launch(monkeypatch, ["--zero_stage", "3", *flag])
+    run = arguments.parse_args([*TINY, "--output_dir", str(tmp_path / "out")])
+    monkeypatch.setattr(model.AutoModelForCausalLM, "from_pretrained", from_pretrained)
+    with pytest.raises(Loaded) as loaded:
+        model.load_model(run, "tiny")
+    assert loaded.value.args == (not whole,)
+
+
+@pytest.mark.launches
+def test_accelerate_launch_use_deepspeed_flags_reach_the_engine_and_the_saved_model(tmp_path, monkeypatch):
+    """`accelerate launch --use_deepspeed` without a JSON, every DeepSpeed flag of its launcher given: ZeRO-3 with the
+    parameters and optimizer states in CPU memory (DeepSpeed's CPU Adam), the model loaded whole in each process
+    (transformers says when it loads under zero.Init), and the 16-bit model gathered into model.safetensors."""
+    monkeypatch.setenv("TRANSFORMERS_VERBOSITY", "info")
+    output_dir = tmp_path / "out"
+    launcher = [ACCELERATE, "launch", "-q", "--use_deepspeed", "--num_processes", "2", "--main_process_port",
+                str(free_port()), "--zero_stage", "3", "--offload_optimizer_device", "cpu", "--offload_param_device",
+                "cpu", "--zero3_init_flag", "false", "--zero3_save_16bit_model", "true",
+                "--gradient_accumulation_steps", "2", "--gradient_clipping", "1.0"]
+    result = launch_sft(*TINY, "--max_steps", "2", "--eval_strategy", "no", "--report_to", "none",
+                        "--eval_samples_before_after", "0", "--output_dir", str(output_dir), launcher=launcher)
+    assert result.returncode == 0, result.stderr[-3000:]
+    setup = printed_setup(result.stdout)
+    assert (setup["world_size"], setup["strategy"], setup["optimizer"], setup["offload"]) == (
+        2, "zero3", "DeepSpeedCPUAdam", {"optimizer": "cpu", "parameters": "cpu"}), setup
+    assert "activating zero.init()" not in result.stdout + result.stderr
+    assert (output_dir / "model.safetensors").is_file()
 
 
 def test_an_auto_value_nothing_fills_is_refused_unless_its_block_gives_way_to_the_recipe(tmp_path, monkeypatch):

@@ -104,7 +104,38 @@ def check_request(request: LaunchRequest, processes: int, check_json: bool = Tru
             check_deepspeed_json(read_deepspeed_config(deepspeed_file, request.source), deepspeed_file)
     elif kind == "DEEPSPEED":
         _check_zero_stage(request.value("zero_stage"), request.written("zero_stage"), request.source)
+        _check_offload(request)
     return notes
+
+
+# What each offload field of accelerate's launcher moves out of GPU memory, the lowest ZeRO stage that does it
+# (DeepSpeed offloads parameters only under ZeRO-3, and optimizer states from ZeRO-1: below, it ignores the field
+# without a word), and the field naming its NVMe folder, which accelerate's launcher does not pass on (patches.py,
+# `nvme_paths_accelerate_does_not_export`)
+OFFLOAD_FIELDS = {"offload_param_device": ("parameters", 3, "offload_param_nvme_path"),
+                  "offload_optimizer_device": ("optimizer states", 1, "offload_optimizer_nvme_path")}
+
+
+def _check_offload(request: LaunchRequest) -> None:
+    """The offload of a DeepSpeed launch without a JSON (flags or a config file's deepspeed_config fields, read as
+    accelerate's DeepSpeedPlugin reads them) that DeepSpeed would ignore, or fail on once the model is loaded."""
+    stage = request.value("zero_stage", 2)  # accelerate's default
+    for field, (part, lowest, path_field) in OFFLOAD_FIELDS.items():
+        device = str(request.value(field) or "none").lower()
+        written = request.written(field)
+        if device not in ("none", "cpu", "nvme"):
+            raise UserError(f"{request.source}: {written} is not a device DeepSpeed offloads to (it fails on it once "
+                            f"the model is loaded); set {request.named(field)} to cpu, nvme or none.")
+        if device != "none" and stage < lowest:
+            trains = request.written("zero_stage") if request.value("zero_stage") is not None else \
+                "accelerate's default"
+            raise UserError(f"{request.source}: {written} offloads the {part} only from ZeRO-{lowest} on, and this "
+                            f"launch trains ZeRO-{stage} ({trains}), where DeepSpeed would ignore it; add --zero_stage "
+                            f"{max(lowest, 2)} to the accelerate launch command or remove {written}.")
+        problem = _nvme_problem_of(written, request.named(path_field), request.value(path_field),
+                                   f"set {request.named(field)} to `cpu`") if device == "nvme" else None
+        if problem:
+            raise UserError(f"{request.source}: {problem[0]}; {problem[1]}.")
 
 
 def _check_machines(request: LaunchRequest) -> None:
@@ -234,20 +265,27 @@ def _auto_keys(values: dict, prefix: str = "") -> list[str]:
 
 
 def _nvme_problem(offload: str, folder) -> tuple[str, str] | None:
+    """A JSON's NVMe offload (`offload`: offload_param or offload_optimizer) that cannot run here (_nvme_problem_of)."""
+    return _nvme_problem_of(f"`zero_optimization.{offload}.device: nvme`", "`nvme_path`", folder,
+                            f"set `zero_optimization.{offload}.device` to `cpu`")
+
+
+def _nvme_problem_of(asking: str, path_field: str, folder, to_cpu: str) -> tuple[str, str] | None:
     """NVMe offload needs a folder on this machine for DeepSpeed's swap files and DeepSpeed's async_io op; DeepSpeed
-    fails on either only once the model is loaded (a folder it can create, it creates wherever the path points)."""
+    fails on either only once the model is loaded (a folder it can create, it creates wherever the path points).
+    `asking` is the setting as written, `path_field` the folder's, `to_cpu` the fix that offloads to CPU memory."""
     lacking = []
     if not folder or not Path(str(folder)).is_dir():
         where = f"{folder} is not a folder on this machine" if folder else "not set"
-        lacking.append(f"a folder for its swap files at `nvme_path` ({where})")
+        lacking.append(f"a folder for its swap files at {path_field} ({where})")
     if not _async_io_loads():
         lacking.append("DeepSpeed's async_io op, which cannot load here (libaio missing: `apt install libaio-dev`, "
                        "then reinstall deepspeed)")
     if not lacking:
         return None
-    return (f"`zero_optimization.{offload}.device: nvme` needs {' and '.join(lacking)}",
-            f"set `zero_optimization.{offload}.device` to `cpu` (or create that folder on a local NVMe drive)"
-            if len(lacking) == 1 and "folder" in lacking[0] else f"set `zero_optimization.{offload}.device` to `cpu`")
+    return (f"{asking} needs {' and '.join(lacking)}",
+            f"{to_cpu} (or create that folder on a local NVMe drive)" if len(lacking) == 1 and "folder" in lacking[0]
+            else to_cpu)
 
 
 def _async_io_loads() -> bool:

@@ -443,8 +443,8 @@ def _skeleton(model_path: str, attn_implementation: str | None = None):
     except Exception:
         return None
     chosen = {"attn_implementation": attn_implementation} if attn_implementation else {}
-    try:
-        with torch.device("meta"):
+    try:  # outside deepspeed.zero.Init, which a ZeRO-3 launch sets up: meta tensors hold nothing to partition
+        with torch.device("meta"), patches.zero3_init_off():
             return AutoModelForCausalLM.from_config(config, **chosen)
     except ValueError:
         if not chosen:

@@ -59,12 +59,24 @@ def config_file_named(arguments: list[str] | None) -> str:
     return "the default accelerate config (`accelerate config`)"
 
 
+# The DeepSpeed JSON key each DeepSpeed field of accelerate's launcher (a flag, or a field under deepspeed_config) sets
+# (DeepSpeedPlugin.__post_init__'s plugin_to_config_mapping, accelerate 1.15-1.16). Beside a JSON, accelerate takes a
+# flag's value only where the JSON says "auto".
+DEEPSPEED_FIELD_KEYS = {
+    "gradient_accumulation_steps": "gradient_accumulation_steps",
+    "gradient_clipping": "gradient_clipping",
+    "zero_stage": "zero_optimization.stage",
+    "offload_optimizer_device": "zero_optimization.offload_optimizer.device",
+    "offload_param_device": "zero_optimization.offload_param.device",
+    "offload_param_nvme_path": "zero_optimization.offload_param.nvme_path",
+    "offload_optimizer_nvme_path": "zero_optimization.offload_optimizer.nvme_path",
+    "zero3_save_16bit_model": "zero_optimization.stage3_gather_16bit_weights_on_model_save",
+}
+
+
 # accelerate refuses these fields of an accelerate config file beside a deepspeed_config_file, which holds them
 # (DeepSpeedPlugin._deepspeed_config_checks, accelerate 1.15-1.16), once the training arguments are built.
-FIELDS_NOT_BESIDE_DEEPSPEED_FILE = (
-    "gradient_accumulation_steps", "gradient_clipping", "zero_stage", "offload_optimizer_device",
-    "offload_param_device", "offload_param_nvme_path", "offload_optimizer_nvme_path", "zero3_save_16bit_model",
-    "mixed_precision")
+FIELDS_NOT_BESIDE_DEEPSPEED_FILE = (*DEEPSPEED_FIELD_KEYS, "mixed_precision")
 
 
 def fields_beside_deepspeed_file_refusal(config_file: str, deepspeed_file: str, fields: list[str]) -> UserError:
@@ -80,15 +92,18 @@ def deepspeed_json_read(text: str, named: str):
     and trailing commas of DeepSpeed's own examples, and refuses a key set twice), or a UserError naming `named`.
     transformers and accelerate read JSON only; the run hands them what is read here (launch.deepspeed_config), so
     what DeepSpeed reads trains."""
-    duplicates = []
+    duplicates = []  # (key, the object holding it twice)
 
     def unique_keys(pairs):  # json and hjson keep the last of two equal keys without a word
-        duplicates.extend(key for index, (key, _) in enumerate(pairs) if key in [seen for seen, _ in pairs[:index]])
-        return dict(pairs)
+        values = dict(pairs)
+        duplicates.extend((key, values) for index, (key, _) in enumerate(pairs)
+                          if key in [seen for seen, _ in pairs[:index]])
+        return values
 
     try:
         values = json.loads(text, object_pairs_hook=unique_keys)
     except json.JSONDecodeError as error:
+        duplicates.clear()  # found in the objects read before the error: hjson reads them again
         try:
             import hjson  # DeepSpeed's own reader, installed with it
         except ImportError:
@@ -101,11 +116,25 @@ def deepspeed_json_read(text: str, named: str):
             raise UserError(f"{named}: not valid JSON at line {error.lineno}, column {error.colno} ({error.msg}); fix "
                             f"it there.") from None
     if duplicates:
-        listed = " and ".join(f"`{key}`" for key in dict.fromkeys(duplicates))
-        raise UserError(f"{named}: {listed} {'is' if len(set(duplicates)) == 1 else 'are'} set twice in one object "
+        dotted = list(dict.fromkeys(_path_to(holder, values) + key for key, holder in duplicates))
+        listed = " and ".join(f"`{key}`" for key in dotted)
+        raise UserError(f"{named}: {listed} {'is' if len(dotted) == 1 else 'are'} set twice in one object "
                         f"(DeepSpeed refuses that; transformers would keep the last without a word); keep one of "
                         f"each.")
     return values
+
+
+def _path_to(holder: dict, node, prefix: str = "") -> str:
+    """The dotted path of the object `holder` inside `node` followed by a dot ("" for `node` itself, and for an object
+    a repeated key has replaced, which is named by its own key alone)."""
+    if node is holder:
+        return prefix
+    children = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for key, child in children:
+        found = _path_to(holder, child, f"{prefix}{key}.")
+        if found:
+            return found
+    return ""
 
 
 def read_deepspeed_config(config_file: str, accelerate_file: str | None = None,
@@ -155,18 +184,22 @@ OBJECT_BLOCKS = {"bf16": "enabled", "fp16": "enabled", "amp": "enabled", "optimi
                  "zero_optimization.offload_param": "device", "compile": None, "tensor_parallel": None}
 
 
+def value_at(values: dict, dotted: str):
+    """A DeepSpeed JSON's value at a dotted key (`zero_optimization.stage`), or None where it has none."""
+    node = values
+    for key in dotted.split("."):
+        node = node.get(key) if isinstance(node, dict) else None
+    return node
+
+
 def refuse_blocks_not_objects(values: dict, named: str) -> None:
     """Every block of OBJECT_BLOCKS written as something other than an object, in one sentence, each with its fix."""
     problems = []
     for block, key in OBJECT_BLOCKS.items():
-        *parents, last = block.split(".")
-        node = values
-        for parent in parents:
-            node = node.get(parent) if isinstance(node, dict) else None
-        value = node.get(last) if isinstance(node, dict) else None
+        value = value_at(values, block)
         if value is None or isinstance(value, dict):
             continue
-        shown = json.dumps(value)
+        shown, last = json.dumps(value), block.split(".")[-1]
         fix = f"write it as `\"{last}\": {{\"{key}\": {shown}}}`" if key and not isinstance(value, (list, dict)) else \
             "write it as an object (`{...}`) of its settings or remove it"
         problems.append((f"`{block}: {shown}` is a lone value where transformers and DeepSpeed read an object", fix))
@@ -222,6 +255,11 @@ class LaunchRequest:
         if name in self.flags:
             return self.flags[name]
         return _as_launcher_arguments(self.fields).get(name, default)
+
+    def named(self, name: str) -> str:
+        """How the user names a field: `--flag` on the command line (also for a launch without a file), `field` in
+        the file."""
+        return f"`--{name}`" if name in self.flags or self.file is None else f"`{name}`"
 
     def written(self, name: str) -> str:
         """How the user wrote a field: `--flag value` on the command line, `field: value` in the file."""
@@ -318,6 +356,8 @@ def read_exported_launch() -> ExportedLaunch:
     else:
         strategy = "ddp" if world_size > 1 else "single"
     request = _request_of(arguments)
+    if deepspeed_config is not None:
+        refuse_flags_the_json_overrides(request, deepspeed_config, deepspeed_file)
     if request is not None:  # the file accelerate read (the default one only where it exists), or its command line
         config_file = request.source
     return ExportedLaunch(strategy, config_file, deepspeed_file, deepspeed_config, world_size,
@@ -347,16 +387,9 @@ def with_deepspeed_argument(launch: ExportedLaunch, asked: str | dict | None, so
         written = read_deepspeed_config(asked, source, field="--deepspeed" if source == "command line" else "`deepspeed`")
     stage = written["zero_optimization"].get("stage", 0)
     request = launch.request
-    if launch.asked_by is not None and launch.strategy.startswith("zero") and request is not None and \
-            request.file is None:  # `accelerate launch --use_deepspeed`: DeepSpeed asked for without a JSON
-        given = request.flags.get("zero_stage")
-        if given is None or str(given) == str(stage):  # the JSON decides, as transformers lets it
-            return replace(launch, strategy=f"zero{stage}", deepspeed_file=asked if isinstance(asked, str) else named,
-                           deepspeed_config=written, asked_by=named)
-        raise UserError(f"{request.source}: `--zero_stage {given}` asks for ZeRO-{given} while {named} asks for "
-                        f"ZeRO-{stage}, and one launch trains with one of them; remove --zero_stage {given} from the "
-                        f"accelerate launch command to train with {named}.")
-    if launch.asked_by is not None:
+    deepspeed_without_json = launch.asked_by is not None and launch.strategy.startswith("zero") and \
+        request is not None and request.file is None  # `accelerate launch --use_deepspeed`
+    if launch.asked_by is not None and not deepspeed_without_json:
         ours = f"`deepspeed_config_file: {launch.deepspeed_file}`" if launch.deepspeed_file else \
             f"{launch.strategy.upper()}"
         raise UserError(f"{launch.config_file}: asks for {ours} while {named} asks for ZeRO-{stage}, and one launch "
@@ -364,8 +397,41 @@ def with_deepspeed_argument(launch: ExportedLaunch, asked: str | dict | None, so
                         f"scripts/sft.py, or accelerate_configs/ddp.yaml) to train with {named}, or remove "
                         f"{'--deepspeed' if source == 'command line' else f'`deepspeed` from {source}'} to train as "
                         f"that file says.")
+    refuse_flags_the_json_overrides(request, written, named)  # the JSON decides, as transformers lets it
     return replace(launch, strategy=f"zero{stage}", deepspeed_file=asked if isinstance(asked, str) else named,
                    deepspeed_config=written, asked_by=named)
+
+
+def refuse_flags_the_json_overrides(request: LaunchRequest | None, written: dict, named: str) -> None:
+    """A DeepSpeed flag of the launcher beside a DeepSpeed JSON (`named`: an accelerate config's deepspeed_config_file
+    or transformers' `deepspeed`) trains only where the JSON agrees with it, or says "auto" in a DeepSpeed launch,
+    which exports the flag for accelerate to fill it in; any other flag would be ignored without a word, and is
+    refused naming both, as accelerate refuses those fields in a config file beside a JSON."""
+    if request is None:
+        return
+    for name, key in DEEPSPEED_FIELD_KEYS.items():
+        if name not in request.flags:
+            continue
+        given, theirs = request.flags[name], value_at(written, key)
+        if _same_value(given, theirs) or theirs == "auto" and deepspeed_asked_for():
+            continue
+        if name == "zero_stage" and isinstance(theirs, int):
+            asked, answer = f"ZeRO-{given}", f"asks for ZeRO-{theirs}"
+        else:
+            asked = f"`{key}: {given}`"
+            answer = f"sets no `{key}`" if theirs is None else f"asks for `{key}: {json.dumps(theirs)}`"
+        flag = request.written(name)
+        raise UserError(f"{request.source}: {flag} asks for {asked} while {named} {answer}, and one launch trains "
+                        f"with one of them; remove {flag.strip('`')} from the accelerate launch command to train with "
+                        f"{named}.")
+
+
+def _same_value(given, theirs) -> bool:
+    """A flag's value (text or a number, as accelerate's parser gives it) and a JSON's are the same setting."""
+    try:
+        return float(given) == float(theirs)
+    except (TypeError, ValueError):
+        return str(given).lower() == str(theirs).lower()
 
 
 # A DeepSpeed JSON's blocks that give way to the recipe: transformers would otherwise build DeepSpeed's optimizer or

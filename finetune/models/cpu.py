@@ -5,7 +5,6 @@ On CPU the run trains in float32 with the GPU-only kernels swapped for portable 
 turned into a gloo process group (accelerate would otherwise start N independent single-process runs).
 """
 
-import contextlib
 import os
 
 import torch
@@ -53,21 +52,6 @@ def cpu_overrides(values: dict) -> dict:
 # machine without a GPU, warns "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to
 # detect it." There is none to detect; told, it picks the same CPU accelerator silently.
 CPU_ENVIRONMENT = {"ACCELERATE_MIXED_PRECISION": "no", "DS_ACCELERATOR": "cpu"}
-
-
-@contextlib.contextmanager
-def cpu_environment():
-    """The CPU's environment while the training arguments are built, restored afterwards: parsing changes nothing."""
-    saved = {key: os.environ.get(key) for key in CPU_ENVIRONMENT}
-    os.environ.update(CPU_ENVIRONMENT)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def prepare_cpu_process_group() -> None:

@@ -342,7 +342,9 @@ def parse_args(argv: list[str] | None = None, found: list[UserError] | None = No
     if to_train is not None:  # carried: the training arguments never read the JSON again
         parser.set_defaults(deepspeed=to_train)
         argv = _without_flag(argv, "--deepspeed")
-    script, training, model, finetune = _into_dataclasses(parser, argv, recipe, recipe_path, found)
+    while_parsing = {**(cpu.CPU_ENVIRONMENT if cpu.on_cpu() else {}),
+                     **patches.nvme_paths_accelerate_does_not_export(launch.request)}
+    script, training, model, finetune = _into_dataclasses(parser, argv, recipe, recipe_path, found, while_parsing)
     if model.lora_target_parameters == ["none"]:  # a list flag cannot be emptied on the command line
         model.lora_target_parameters = None
     if isinstance(model.lora_target_modules, str) and re.fullmatch(r"[\w.]+", model.lora_target_modules) and \
@@ -361,16 +363,17 @@ def parse_args(argv: list[str] | None = None, found: list[UserError] | None = No
 
 
 def _into_dataclasses(parser: TrlParser, argv: list[str], recipe: dict, recipe_path: str | None,
-                      found: list[UserError] | None) -> tuple:
-    """The parse into TRL's dataclasses and finetune's own. Their __post_init__ fails on some numbers out of range in
-    its own words (`save_steps: inf`: an OverflowError); the ranges say which number and what to give instead (the
-    other numbers are checked on the built values: checks/recipe.py). Given `found`, those numbers are added there
-    and left out, and the parse is tried again, so that the checks after the parse run too."""
+                      found: list[UserError] | None, environment: dict[str, str]) -> tuple:
+    """The parse into TRL's dataclasses and finetune's own, with `environment` set while the training arguments are
+    built (they build accelerate's state and DeepSpeed plugin from it). Their __post_init__ fails on some numbers out
+    of range in its own words (`save_steps: inf`: an OverflowError); the ranges say which number and what to give
+    instead (the other numbers are checked on the built values: checks/recipe.py). Given `found`, those numbers are
+    added there and left out, and the parse is tried again, so that the checks after the parse run too."""
     source = recipe_path or "command line"
     while True:
         values, _ = parser.parse_known_args(args=argv)  # as given, before the dataclasses' __post_init__ reads them
         try:
-            with cpu.cpu_environment() if cpu.on_cpu() else contextlib.nullcontext():
+            with _environment_set(environment):
                 return parser.parse_args_into_dataclasses(args=argv)
         except SystemExit:
             raise UserError("command line: a flag has a missing or invalid value; see the message above for "
@@ -389,6 +392,21 @@ def _into_dataclasses(parser: TrlParser, argv: list[str], recipe: dict, recipe_p
             parser.set_defaults(**{key: defaults.get_default(key) for key in out_of_range})
             for key in out_of_range:
                 argv = _without_flag(argv, f"--{key}")
+
+
+@contextlib.contextmanager
+def _environment_set(values: dict[str, str]):
+    """`values` in the environment for the time of the block, as it was afterwards: parsing changes nothing."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def _without_flag(argv: list[str], flag: str) -> list[str]:

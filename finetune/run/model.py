@@ -3,6 +3,7 @@ recipe's family written to a local folder, so that all three load through the sa
 check every command makes of a model before loading it (`check_model`).
 """
 
+import contextlib
 import re
 import warnings
 
@@ -114,6 +115,14 @@ def load_mxfp4_resident(model_path: str, kwargs: dict) -> PreTrainedModel:
     return mxfp4_loading.load(model_path, device=kwargs.pop("device_map")[""], **kwargs)
 
 
+def loads_whole_under_zero3(run: RunConfig) -> bool:
+    """A ZeRO-3 launch whose `zero3_init_flag` is false: every process loads the whole model, which DeepSpeed
+    partitions when the Trainer prepares it, as accelerate documents the flag (transformers would otherwise load under
+    deepspeed.zero.Init whatever it says)."""
+    plugin = run.training.deepspeed_plugin
+    return plugin is not None and plugin.hf_ds_config.is_zero3() and not plugin.is_zero3_init_enabled()
+
+
 def load_model(run: RunConfig, model_path: str) -> PreTrainedModel:
     if run.model.attn_implementation == attention.VARLEN_ATTENTION:
         attention.register()
@@ -121,10 +130,11 @@ def load_model(run: RunConfig, model_path: str) -> PreTrainedModel:
         cpu.deepspeed_on_the_process_group()
     try:
         kwargs = model_init_kwargs(run, model_path)
-        if mxfp4.is_mxfp4_checkpoint(model_path) and "quantization_config" not in kwargs:
-            model = load_mxfp4_resident(model_path, kwargs)
-        else:
-            model = AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
+        with patches.zero3_init_off() if loads_whole_under_zero3(run) else contextlib.nullcontext():
+            if mxfp4.is_mxfp4_checkpoint(model_path) and "quantization_config" not in kwargs:
+                model = load_mxfp4_resident(model_path, kwargs)
+            else:
+                model = AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
     except OSError as error:
         raise UserError(
             f"{model_path}: the model could not be loaded ({first_line(error)}); without network pass "
