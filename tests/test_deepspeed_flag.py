@@ -16,7 +16,7 @@ import pytest
 
 from finetune.commands.check import problems_before_loading, training_process_environment
 from tests.helpers import ACCELERATE, ROOT, free_port, launch_sft, printed_setup, write
-from tests.test_bad_inputs import FULL, TINY, with_keys
+from tests.test_bad_inputs import FULL, LORA, TINY, with_keys
 
 CONFIGS = ROOT / "tests" / "data" / "external" / "configs"
 TRANSFORMERS = CONFIGS / "transformers" / "tests" / "deepspeed"
@@ -469,6 +469,72 @@ def test_a_launcher_deepspeed_flag_fills_the_jsons_auto_value(tmp_path, monkeypa
     assert problems_before_loading(asked, 2) == []
     zero = arguments.parse_args(asked).training.deepspeed_plugin.deepspeed_config["zero_optimization"]
     assert zero["offload_optimizer"]["device"] == "cpu", zero
+
+
+# ZeRO-3 launches whose final save gathers no model, by each way of leaving DeepSpeed's 16-bit gather off: (name,
+# the DeepSpeed JSON's zero_optimization entries for it or None for a launch without a JSON, the accelerate launch's
+# flags after --num_processes 2, or an accelerate config file's deepspeed_config fields)
+GATHER_OFF = [
+    ("JSON leaving it out", {}, []),
+    ("JSON false", {"stage3_gather_16bit_weights_on_model_save": False}, []),
+    ("JSON \"auto\" without the launcher's flag", {"stage3_gather_16bit_weights_on_model_save": "auto"}, []),
+    ("JSON's old fp16 name", {"stage3_gather_fp16_weights_on_model_save": False}, []),
+    ("JSON's field name of DeepSpeed's config model", {"gather_16bit_weights_on_model_save": False}, []),
+    ("--use_deepspeed --zero_stage 3", None, ["--use_deepspeed", "--zero_stage", "3"]),
+    ("accelerate config's deepspeed_config", None, {"zero_stage": 3, "zero3_init_flag": True}),
+]
+SAVED_PARTITIONED = "ZeRO-3 then saves the final model as DeepSpeed's partitioned checkpoint"
+
+
+@pytest.mark.parametrize("name, entries, launch", GATHER_OFF, ids=[case[0] for case in GATHER_OFF])
+def test_a_full_zero3_run_that_will_save_deepspeed_shards_says_so_before_loading_and_its_fix_gathers_the_model(
+        name, entries, launch, tmp_path, monkeypatch, capfd):
+    """transformers saves DeepSpeed's partitioned checkpoint (global_stepN/) in place of model.safetensors when
+    ZeRO-3's 16-bit gather is off, and the run said `saved to`: said before loading, naming the key as it is written;
+    the fix applied as written (that key set to true: DeepSpeed refuses the old name beside the new one, and "auto"
+    follows the launcher) makes DeepSpeed gather, and nothing is said. A LoRA run's adapter is gathered either way."""
+    from finetune.checks.launch import saves_partitioned_model
+    from finetune.run import arguments
+
+    zero3 = json.loads((ROOT / "ds_configs" / "zero3.json").read_text())
+    del zero3["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"]
+    key = next(iter(entries or {}), "stage3_gather_16bit_weights_on_model_save")
+
+    def launch_with(fixed: bool) -> None:
+        """This process as a training process of the case's launch, or of that launch fixed as the notice says."""
+        if entries is not None:
+            zero = {**zero3["zero_optimization"], **entries, **({key: True} if fixed else {})}
+            json_file = write(tmp_path / "ds.json", json.dumps({**zero3, "zero_optimization": zero}))
+            launched_by(monkeypatch, ["--use_deepspeed", "--deepspeed_config_file", str(json_file)])
+        elif isinstance(launch, dict):  # an accelerate config file asking for DeepSpeed without a JSON
+            fields = {**launch, **({"zero3_save_16bit_model": True} if fixed else {})}
+            launched_by(monkeypatch, ["--config_file", str(write(tmp_path / "zero3.yaml", json.dumps(
+                {"distributed_type": "DEEPSPEED", "num_processes": 2, "deepspeed_config": fields})))])
+        else:
+            launched_by(monkeypatch, [*launch, *(["--zero3_save_16bit_model", "true"] if fixed else [])])
+
+    def notices(asked: list[str]) -> list[str]:
+        capfd.readouterr()
+        assert problems_before_loading(asked, 2) == []
+        return [line for line in capfd.readouterr().out.splitlines() if SAVED_PARTITIONED in line]
+
+    full = [*TINY, "--output_dir", str(tmp_path / "out")]
+    launch_with(fixed=False)
+    said = notices(full)
+    assert len(said) == 1, said
+    if entries is not None:
+        assert said[0].startswith(f"[finetune] {tmp_path / 'ds.json'} sets ") and \
+            f'set "{key}": true under zero_optimization there to save the model itself.' in said[0], said
+    elif isinstance(launch, dict):
+        assert "sets no `zero3_save_16bit_model`" in said[0] and \
+            "set `zero3_save_16bit_model: true` under deepspeed_config there" in said[0], said
+    else:
+        assert "passes no `--zero3_save_16bit_model`" in said[0] and \
+            "pass --zero3_save_16bit_model true to the accelerate launch command" in said[0], said
+    assert notices(["--config", str(LORA), "--tiny", "--output_dir", str(tmp_path / "out")]) == []
+    launch_with(fixed=True)
+    assert notices(full) == []
+    assert not saves_partitioned_model(arguments.parse_args(full))
 
 
 # A DeepSpeed launch without a JSON whose offload DeepSpeed would ignore or fail on after loading: (name, launcher

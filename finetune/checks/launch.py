@@ -138,6 +138,55 @@ def _check_offload(request: LaunchRequest) -> None:
             raise UserError(f"{request.source}: {problem[0]}; {problem[1]}.")
 
 
+# DeepSpeed's names of the setting that gathers ZeRO-3's partitioned weights into one 16-bit model when it saves: its
+# JSON key, its config model's own field name (axolotl's JSONs) and its old fp16 name (transformers' test JSONs), which
+# DeepSpeed refuses beside the current one
+GATHER_KEYS = ("stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save",
+               "stage3_gather_fp16_weights_on_model_save")
+
+
+def saves_partitioned_model(run) -> bool:
+    """A full fine-tune under ZeRO-3 whose DeepSpeed config, as accelerate completed it (an "auto" filled from the
+    launcher's --zero3_save_16bit_model) and DeepSpeed reads it, does not gather the weights when it saves:
+    transformers then writes DeepSpeed's partitioned checkpoint in place of model.safetensors. A LoRA adapter is
+    gathered either way (transformers gathers the trainable weights of a peft model under ZeRO-3 itself)."""
+    plugin = run.training.deepspeed_plugin
+    if run.model.use_peft or run.launch.strategy != "zero3" or plugin is None:
+        return False
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    return not DeepSpeedZeroConfig(**plugin.deepspeed_config["zero_optimization"]).gather_16bit_weights_on_model_save
+
+
+def gather_left_off(launch) -> tuple[str, str]:
+    """Where the launch leaves ZeRO-3's gather at save off, in the words the user wrote it, and the fix that turns it
+    on: the DeepSpeed JSON's key under the name it uses, else accelerate's --zero3_save_16bit_model (a flag, or a
+    field under an accelerate config's deepspeed_config)."""
+    if launch.deepspeed_config is not None:
+        zero = launch.deepspeed_config["zero_optimization"]
+        key = next((name for name in GATHER_KEYS if name in zero), GATHER_KEYS[0])
+        written = f"`zero_optimization.{key}: {json.dumps(zero[key])}`" if key in zero else \
+            f"no `zero_optimization.{key}`"
+        if zero.get(key) == "auto":
+            written += " without --zero3_save_16bit_model true"
+        return f"{launch.deepspeed_file} sets {written}", f"set \"{key}\": true under zero_optimization there"
+    request, name = launch.request or LaunchRequest(None, {}, {}), "zero3_save_16bit_model"
+    written = request.written(name) if request.value(name) is not None else f"no {request.named(name)}"
+    if request.named(name).startswith("`--"):
+        return (f"{request.source} passes {written}",
+                "pass --zero3_save_16bit_model true to the accelerate launch command")
+    return f"{request.source} sets {written}", "set `zero3_save_16bit_model: true` under deepspeed_config there"
+
+
+def say_when_the_model_is_saved_partitioned(run) -> None:
+    """Said before loading, where a full ZeRO-3 fine-tune will end without a model that loads: a sharded save is
+    legitimate (a model too large to gather in one process), so it is not refused."""
+    if saves_partitioned_model(run):
+        setting, fix = gather_left_off(run.launch)
+        say(f"{setting}: ZeRO-3 then saves the final model as DeepSpeed's partitioned checkpoint (global_stepN/), not "
+            f"model.safetensors, and chat, generate, eval and merge cannot load it; {fix} to save the model itself.")
+
+
 def _check_machines(request: LaunchRequest) -> None:
     """A machine rank outside the machines launched waits for a rendezvous that never completes: a hang, not an
     error."""

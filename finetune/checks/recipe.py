@@ -111,7 +111,12 @@ def check_packages(run, source: str) -> Iterator[UserError]:
 
 
 def check_launch(run, source: str) -> Iterator[UserError]:
-    yield from each_refusal((accelerate_checks.check_run, run), (check_deepspeed_agrees, run))
+    refused = False
+    for refusal in each_refusal((accelerate_checks.check_run, run), (check_deepspeed_agrees, run)):
+        refused = True
+        yield refusal
+    if not refused:  # DeepSpeed reads the zero_optimization block, which raises on one the checks refuse
+        accelerate_checks.say_when_the_model_is_saved_partitioned(run)
 
 
 def check_relaunch(run, source: str) -> None:
