@@ -147,6 +147,19 @@ def run_folder(model: Path, folder: Path, final: bool, checkpoint_steps=(1, 2), 
     return folder
 
 
+def zero3_run_saved_partitioned(model: Path, folder: Path) -> Path:
+    """A ZeRO-3 run's output folder saved without the 16-bit gather, as transformers writes it then: no model weights,
+    DeepSpeed's partitions under global_step2/ named in `latest`, in the folder and in its complete checkpoint-2; no
+    final marker, as the run writes none then."""
+    run_folder(model, folder, final=False, checkpoint_steps=(2,), complete_steps=())
+    for saved in (folder, folder / "checkpoint-2"):
+        (saved / "model.safetensors").unlink()
+        write(saved / "latest", "global_step2\n")
+        write(saved / "global_step2" / "zero_pp_rank_0_mp_rank_00_model_states.pt", "partitions")
+    folder_files.write_marker(folder / "checkpoint-2", 2, 2)
+    return folder
+
+
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory, tiny_model_cache) -> dict[str, str]:
     import torch
@@ -199,6 +212,7 @@ def folders(tmp_path_factory, tiny_model_cache) -> dict[str, str]:
         "stopped run": run_folder(base, root / "stopped-run", final=False),
         "stopped run, no checkpoint": run_folder(base, root / "stopped-run-2", final=False, complete_steps=()),
         "finished run": run_folder(base, root / "finished-run", final=True),
+        "zero3 run saved partitioned": zero3_run_saved_partitioned(base, root / "zero3-run"),
         "finished LoRA run": run_folder(adapter, root / "finished-lora-run", final=True, checkpoint_steps=(2,)),
         "file": write(root / "a-file.txt", "not a model\n"),
         "prompts": write(root / "prompts.txt", "Repeat: red fish\n"),
@@ -288,6 +302,19 @@ COMMAND_CASES = [
      ["generate", "{stopped run, no checkpoint}", "--prompts", "{prompts}", *OUT],
      ["no complete final model", "relaunch the training command"]),
     ("eval: a stopped run", ["eval", "{stopped run}", "--dataset_name", "{rows}"], ["checkpoint-1 instead"]),
+    ("chat: a ZeRO-3 run saved without the 16-bit gather (its partitions read as a folder without weights)",
+     ["chat", "{zero3 run saved partitioned}"],
+     ["zero3-run: holds DeepSpeed's partitioned ZeRO-3 checkpoint (global_step2) and no model weights",
+      "`stage3_gather_16bit_weights_on_model_save`", "--zero3_save_16bit_model true", "relaunch the training command",
+      "zero3-run/model.safetensors from the run's newest complete checkpoint."]),
+    ("generate: the checkpoint of a ZeRO-3 run saved without the 16-bit gather",
+     ["generate", "{zero3 run saved partitioned}/checkpoint-2", "--prompts", "{prompts}", *OUT],
+     ["checkpoint-2: holds DeepSpeed's partitioned ZeRO-3 checkpoint (global_step2)", "relaunch the training command",
+      "zero3-run/model.safetensors", "then pass", "zero3-run to OUTPUT_DIR."]),
+    ("eval: a ZeRO-3 run saved without the 16-bit gather", ["eval", "{zero3 run saved partitioned}", "--dataset_name",
+                                                            "{rows}"], ["partitioned ZeRO-3 checkpoint"]),
+    ("merge: a ZeRO-3 run saved without the 16-bit gather", ["merge", "{zero3 run saved partitioned}", "{tmp}/merged"],
+     ["partitioned ZeRO-3 checkpoint"]),
     ("chat: a model without a chat template", ["chat", "{no template}"], ["no chat template", "instruct model"]),
     ("chat: a hub id not cached offline", ["chat", "nobody/not-downloaded"],
      ["nobody/not-downloaded", "local cache", "OUTPUT_DIR"]),
@@ -532,6 +559,8 @@ TRAINING_CASES = [
     ("training from an adapter whose base is gone", "adapter without base",
      ["adapter_config.json: its base model cannot be loaded", "no such folder", "base_model_name_or_path"]),
     ("training from a stopped run", "stopped run", ["no complete final model", "checkpoint-1 instead"]),
+    ("training from a ZeRO-3 run saved without the 16-bit gather", "zero3 run saved partitioned",
+     ["holds DeepSpeed's partitioned ZeRO-3 checkpoint (global_step2) and no model weights", "relaunch"]),
     ("training from a hub id not cached offline", None, ["nobody/not-downloaded", "local cache", "--model_name_or_path"]),
 ]
 

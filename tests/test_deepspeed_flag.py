@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from finetune.commands.check import problems_before_loading, training_process_environment
+from finetune.errors import UserError
 from tests.helpers import ACCELERATE, ROOT, free_port, launch_sft, printed_setup, write
 from tests.test_bad_inputs import FULL, LORA, TINY, with_keys
 
@@ -629,24 +630,49 @@ def test_zero3_init_flag_false_loads_the_model_whole(flag, whole, tmp_path, monk
 
 
 @pytest.mark.launches
-def test_accelerate_launch_use_deepspeed_flags_reach_the_engine_and_the_saved_model(tmp_path, monkeypatch):
+def test_accelerate_launch_use_deepspeed_flags_reach_the_engine_and_a_save_without_the_gather_is_fixed_as_it_says(
+        tmp_path, monkeypatch):
     """`accelerate launch --use_deepspeed` without a JSON, every DeepSpeed flag of its launcher given: ZeRO-3 with the
     parameters and optimizer states in CPU memory (DeepSpeed's CPU Adam), the model loaded whole in each process
-    (transformers says when it loads under zero.Init), and the 16-bit model gathered into model.safetensors."""
+    (transformers says when it loads under zero.Init). Without --zero3_save_16bit_model true transformers saves
+    DeepSpeed's partitioned checkpoint and the run said `saved to`: said before loading and in the closing line, no
+    final marker, and `finetune chat` refuses the folder and its checkpoint in one sentence. Relaunched with the flag
+    as both lines say, it writes the gathered 16-bit model from checkpoint-2 without training, which chat loads."""
+    from finetune.checks import model_folder
+    from finetune.run import generation
+
     monkeypatch.setenv("TRANSFORMERS_VERBOSITY", "info")
     output_dir = tmp_path / "out"
     launcher = [ACCELERATE, "launch", "-q", "--use_deepspeed", "--num_processes", "2", "--main_process_port",
                 str(free_port()), "--zero_stage", "3", "--offload_optimizer_device", "cpu", "--offload_param_device",
-                "cpu", "--zero3_init_flag", "false", "--zero3_save_16bit_model", "true",
-                "--gradient_accumulation_steps", "2", "--gradient_clipping", "1.0"]
-    result = launch_sft(*TINY, "--max_steps", "2", "--eval_strategy", "no", "--report_to", "none",
-                        "--eval_samples_before_after", "0", "--output_dir", str(output_dir), launcher=launcher)
+                "cpu", "--zero3_init_flag", "false", "--gradient_accumulation_steps", "2", "--gradient_clipping", "1.0"]
+    arguments = [*TINY, "--max_steps", "2", "--eval_strategy", "no", "--report_to", "none",
+                 "--eval_samples_before_after", "0", "--output_dir", str(output_dir)]
+    result = launch_sft(*arguments, launcher=launcher)
     assert result.returncode == 0, result.stderr[-3000:]
     setup = printed_setup(result.stdout)
     assert (setup["world_size"], setup["strategy"], setup["optimizer"], setup["offload"]) == (
         2, "zero3", "DeepSpeedCPUAdam", {"optimizer": "cpu", "parameters": "cpu"}), setup
     assert "activating zero.init()" not in result.stdout + result.stderr
-    assert (output_dir / "model.safetensors").is_file()
+    said = [line for line in result.stdout.splitlines() if line.startswith("[finetune] ")]
+    fix = "pass --zero3_save_16bit_model true to the accelerate launch command"
+    notice = next(index for index, line in enumerate(said) if SAVED_PARTITIONED in line)
+    assert notice < next(index for index, line in enumerate(said) if "setup:" in line) and fix in said[notice]
+    assert f"[finetune] saved DeepSpeed's partitioned ZeRO-3 checkpoint {output_dir / 'global_step2'}, not a model " \
+           f"(the accelerate launch command line passes no `--zero3_save_16bit_model`), and chat, generate, eval and " \
+           f"merge cannot load it; {fix} and relaunch: it writes model.safetensors from checkpoint-2 without " \
+           f"training." in said, said
+    assert not any(line.startswith("[finetune] saved to") for line in said), said
+    assert not (output_dir / "model.safetensors").exists() and not (output_dir / "finetune_final.json").exists()
+    for folder in (output_dir, output_dir / "checkpoint-2"):
+        with pytest.raises(UserError, match=r"holds DeepSpeed's partitioned ZeRO-3 checkpoint \(global_step2\)"):
+            generation.load_trained(str(folder))
+    relaunched = launch_sft(*arguments, launcher=[*launcher, *fix.split()[1:3]])
+    assert relaunched.returncode == 0, relaunched.stderr[-3000:]
+    assert "nothing left to train; writing the final model from it" in relaunched.stdout, relaunched.stdout
+    assert f"[finetune] saved to {output_dir}" in relaunched.stdout.splitlines()
+    generation.load_trained(str(output_dir))
+    assert model_folder.partitioned_checkpoint(output_dir) is None and (output_dir / "model.safetensors").is_file()
 
 
 def test_an_auto_value_nothing_fills_is_refused_unless_its_block_gives_way_to_the_recipe(tmp_path, monkeypatch):

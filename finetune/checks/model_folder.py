@@ -160,7 +160,26 @@ def checked_folder(name: str, revision: str | None = None) -> Path | None:
     return _cached_folder(name, revision) if constants.HF_HUB_OFFLINE else None
 
 
+def partitioned_checkpoint(folder: Path) -> str | None:
+    """The tag (global_stepN) of the DeepSpeed checkpoint a folder holds in place of model or adapter weights: what
+    transformers saves under ZeRO-3 when the weights are not gathered (the engine's partitions, which DeepSpeed names
+    in `latest`); None for a folder holding weights."""
+    latest = folder / "latest"
+    if not latest.is_file() or any((folder / name).is_file() for name in (WEIGHTS, WEIGHTS_INDEX, *ADAPTER_WEIGHTS)):
+        return None
+    tag = latest.read_text(encoding="utf-8", errors="replace").strip()
+    return tag if tag and (folder / tag).is_dir() else None
+
+
 def _folder_problem(folder: Path, flag: str) -> str | None:
+    tag = partitioned_checkpoint(folder)
+    if tag:  # the fix: the relaunch saves the final model from the run's newest checkpoint (finetune/run/trainer.py)
+        run_dir = folder.parent if (folder.parent / RUN_RECORD).is_file() else folder
+        then = f", then pass {run_dir} to {flag}" if run_dir != folder else ""
+        return (f"{folder}: holds DeepSpeed's partitioned ZeRO-3 checkpoint ({tag}) and no model weights (its run "
+                f"saved with `stage3_gather_16bit_weights_on_model_save` off); set it to true in the run's DeepSpeed "
+                f"JSON (or pass --zero3_save_16bit_model true to accelerate launch) and relaunch the training command, "
+                f"which writes {run_dir / WEIGHTS} from the run's newest complete checkpoint{then}.")
     if (folder / RUN_RECORD).is_file() and not (folder / run_folder.FINAL_MARKER).is_file():
         newest = run_folder.newest_complete(folder)
         instead = f"use its newest complete checkpoint {newest} instead, or " if newest else ""

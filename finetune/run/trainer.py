@@ -11,7 +11,8 @@ from transformers import PreTrainedModel, TrainerCallback
 from trl import SFTTrainer
 
 from finetune import json_files, outcome, patches, run_folder
-from finetune.checks import resume
+from finetune.checks import launch as launch_checks
+from finetune.checks import model_folder, resume
 from finetune.checks.relaunch import run_identity, training_length
 from finetune.config.launch_request import ExportedLaunch
 from finetune.errors import UserError, say
@@ -265,9 +266,25 @@ def write_beside_the_model(trainer: SFTTrainer, run: RunConfig, tokenizer, befor
             after = inference.answer(trainer.model, tokenizer, run.finetune.sample_prompt,
                                         chat_template_kwargs=run.finetune.chat_template_kwargs)
             say(f"{run.finetune.sample_prompt!r}\n  before training: {before!r}\n  after training:  {after!r}")
-        run_folder.write_final_marker(output_dir, trainer.state.global_step, training_length(run.training))
         outcome.record(outcome.SAVED, output_dir=output_dir)
-        say(f"saved to {output_dir}")
+        partitioned = model_folder.partitioned_checkpoint(Path(output_dir))
+        if partitioned is None:
+            run_folder.write_final_marker(output_dir, trainer.state.global_step, training_length(run.training))
+            say(f"saved to {output_dir}")
+        else:  # no final marker: the relaunch with the gather on resumes, and writes the model from its checkpoint
+            say(partitioned_save_sentence(run, Path(output_dir) / partitioned, trainer.state.global_step))
+
+
+def partitioned_save_sentence(run: RunConfig, saved: Path, step: int) -> str:
+    """What a ZeRO-3 run saved without the 16-bit gather, and the relaunch that writes the model instead."""
+    setting, fix = launch_checks.gather_left_off(run.launch)
+    newest = run_folder.newest_complete(saved.parent)
+    if newest is not None and run_folder.step_of(newest) == step:
+        relaunch = f"it writes model.safetensors from {newest.name} without training"
+    else:
+        relaunch = f"it trains from {newest.name if newest else 'the start'} and writes model.safetensors"
+    return (f"saved DeepSpeed's partitioned ZeRO-3 checkpoint {saved}, not a model ({setting}), and chat, generate, "
+            f"eval and merge cannot load it; {fix} and relaunch: {relaunch}.")
 
 
 def finish_run(trainer: SFTTrainer) -> None:
