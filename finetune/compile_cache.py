@@ -13,6 +13,7 @@ import getpass
 import os
 import re
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 COMPILE_CACHE_ENV = "FINETUNE_COMPILE_CACHE"  # moves the whole folder, like the `compile_cache_dir` flag
@@ -26,7 +27,7 @@ def default_compile_cache() -> Path:
 
 def compile_cache() -> Path:
     """The folder this process's compile caches live in."""
-    return Path(os.environ.get(COMPILE_CACHE_ENV) or default_compile_cache()).expanduser()
+    return Path(os.environ.get(COMPILE_CACHE_ENV) or default_compile_cache()).expanduser().absolute()
 
 
 def _torch_default_inductor_folder() -> str:
@@ -40,16 +41,55 @@ def _torch_default_inductor_folder() -> str:
     return os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
 
 
+@dataclass(frozen=True)
+class UnusableCache:
+    """A compile cache folder that cannot be written, why, and what named it (None: this toolkit's default)."""
+    folder: Path
+    reason: str
+    named_by: str | None
+
+
+def unusable_compile_cache(folder: str | None = None) -> UnusableCache | None:
+    """Why the folder a run's compile caches are to go to (its `compile_cache_dir`, else FINETUNE_COMPILE_CACHE, else
+    the default) cannot be written; None when it can, or when the user's own TORCHINDUCTOR_CACHE_DIR and
+    TRITON_CACHE_DIR send both caches elsewhere."""
+    if not folder and _user_chose_inductor_folder() and os.environ.get(TRITON_CACHE_ENV):
+        return None
+    root = Path(folder).expanduser().absolute() if folder else compile_cache()
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=root):
+            pass
+    except OSError as error:
+        named_by = "compile_cache_dir" if folder else COMPILE_CACHE_ENV if os.environ.get(COMPILE_CACHE_ENV) else None
+        reason = "a file, not a folder" if root.is_file() else error.strerror or type(error).__name__
+        return UnusableCache(root, reason, named_by)
+    return None
+
+
+def _user_chose_inductor_folder() -> bool:
+    inductor = os.environ.get(INDUCTOR_CACHE_ENV)
+    return bool(inductor) and inductor != _torch_default_inductor_folder()
+
+
 def keep_compile_caches(folder: str | None = None) -> Path:
     """Point torch's compile caches at `folder` (a run's `compile_cache_dir`), else FINETUNE_COMPILE_CACHE, else
     ~/.cache/finetune/compile. A TORCHINDUCTOR_CACHE_DIR or TRITON_CACHE_DIR the user set wins over the environment
-    variable and the default, not over `folder`, which the run's own flag or recipe asked for."""
+    variable and the default, not over `folder`, which the run's own flag or recipe asked for. A folder that cannot
+    be written is left to torch's own in /tmp (torch creates its folder when its compiler is imported, and that import
+    fails where it cannot); the run's check says so (finetune/checks/recipe.py: check_compile_cache)."""
+    if unusable_compile_cache(folder):
+        return compile_cache()
     if folder:
         os.environ[COMPILE_CACHE_ENV] = str(Path(folder).expanduser().absolute())
     root = compile_cache()
-    inductor = os.environ.get(INDUCTOR_CACHE_ENV)
-    if folder or not inductor or inductor == _torch_default_inductor_folder():
+    if folder or not _user_chose_inductor_folder():
         os.environ[INDUCTOR_CACHE_ENV] = str(root / "inductor")
     if folder or not os.environ.get(TRITON_CACHE_ENV):
         os.environ[TRITON_CACHE_ENV] = str(root / "triton")
     return root
+
+
+def inductor_cache() -> str:
+    """The folder Inductor's and AOTAutograd's caches are in, wherever it was chosen."""
+    return os.environ.get(INDUCTOR_CACHE_ENV) or _torch_default_inductor_folder()

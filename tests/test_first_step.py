@@ -94,6 +94,55 @@ def test_compile_caches_leave_tmp_for_the_finetune_folder_unless_the_user_chose_
     assert compile_cache.compile_cache() == tmp_path / "flag"
 
 
+def test_a_compile_cache_folder_that_cannot_be_written_is_refused_when_named_and_given_up_when_the_default(
+        monkeypatch, tmp_path, capfd):
+    """torch creates its cache folder when its compiler is imported, and that import fails (a traceback before any
+    run, compiled or not) where it cannot: an unwritable folder is never handed to torch. One the user named (the
+    environment variable, the flag) refuses a compiled run before loading, as `finetune check` does; the default one
+    (a read-only home) leaves the launch to torch's own folder, said in one line."""
+    import torch._inductor.runtime.cache_dir_utils as torch_cache_dirs
+
+    from finetune import compile_cache
+    from finetune.commands.check import problems_before_loading
+    from tests.helpers import run_sft_in_process
+
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("FINETUNE_COMPILE_CACHE", str(a_file))
+    compile_cache.keep_compile_caches()
+    assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ and torch_cache_dirs.cache_dir()  # torch's /tmp default works
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+
+    arguments = ["--config", str(ROOT / "recipes" / "llama-3.2-3b" / "lora.yaml"), "--tiny", "--torch_compile", "true",
+                 "--output_dir", str(tmp_path / "out")]
+    refused = run_sft_in_process(arguments, capfd, monkeypatch)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
+    assert refused.stderr.strip() == (f"error: environment: FINETUNE_COMPILE_CACHE={a_file} names a compile cache folder "
+                                   f"that cannot be written ({a_file}: a file, not a folder); point it at a writable "
+                                   f"folder, or unset it to keep the caches in "
+                                   f"{compile_cache.default_compile_cache()}.")
+    assert [str(problem) for problem in problems_before_loading(arguments, 1)] == [refused.stderr.strip()[7:]]
+    monkeypatch.delenv("FINETUNE_COMPILE_CACHE")
+    flagged = [*arguments, "--compile_cache_dir", str(a_file / "under-a-file")]
+    assert [str(problem) for problem in problems_before_loading(flagged, 1)] == [
+        f"command line (--compile_cache_dir): `compile_cache_dir: {a_file / 'under-a-file'}` names a compile cache "
+        f"folder that cannot be written ({a_file / 'under-a-file'}: Not a directory); point it at a writable folder, or "
+        f"unset it to keep the caches in {compile_cache.default_compile_cache()}."]
+    assert problems_before_loading([*arguments, "--compile_cache_dir", str(tmp_path / "writable")], 1) == []
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(a_file))  # the default folder, in a home that cannot be written
+    compile_cache.keep_compile_caches()
+    assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+    capfd.readouterr()
+    assert problems_before_loading(arguments, 1) == []
+    assert capfd.readouterr().out.splitlines()[-1] == (
+        f"[finetune] compile caches: {a_file}/finetune/compile cannot be written (Not a directory), so this launch "
+        f"compiles into {torch_cache_dirs.default_cache_dir()}, which later launches reuse only until /tmp is emptied; "
+        f"set FINETUNE_COMPILE_CACHE to a writable folder to keep them.")
+
+
 def test_the_compile_line_says_the_previous_launch_s_time(monkeypatch, tmp_path, capsys):
     from finetune.models import compilation
 
@@ -108,6 +157,11 @@ def test_the_compile_line_says_the_previous_launch_s_time(monkeypatch, tmp_path,
     compilation.CompileNotice(model, "LoRA", False, is_main_process=True).on_train_begin(args, state, control)
     assert ("compiling the decoder layer once before the first step: about 51 s (the previous launch of llama "
             "3072x28 LoRA on cpu)") in capsys.readouterr().out
+
+    monkeypatch.setenv("FINETUNE_COMPILE_CACHE", str(tmp_path / "elsewhere"))  # the user's own inductor folder is named
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    compilation.CompileNotice(model, "LoRA", False, is_main_process=True).on_train_begin(args, state, control)
+    assert f"later launches reuse it from {tmp_path / 'mine'}\n" in capsys.readouterr().out
 
 
 def _gpu_run(recipe: str, *flags: str):

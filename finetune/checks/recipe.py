@@ -10,6 +10,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+from finetune import compile_cache
 from finetune.checks import launch as accelerate_checks
 from finetune.checks import model_folder
 from finetune.checks.relaunch import check_output_dir, check_resume_checkpoint
@@ -160,6 +161,27 @@ def check_trains_something(run, rows: int) -> None:
                         f"× {run.launch.world_size} processes), which then trains at learning rate 0 and the run "
                         f"trains nothing; pass --warmup_steps 0, or train more steps (more rows, a smaller "
                         f"per_device_train_batch_size or more num_train_epochs).")
+
+
+def check_compile_cache(run, source: str) -> None:
+    """A compiled run's cache folder can be written: one its user named is refused, the default (a read-only home)
+    gives way to torch's folder in /tmp, said in one line, since nothing the user set is wrong."""
+    if not run.training.torch_compile:
+        return
+    unusable = compile_cache.unusable_compile_cache(run.finetune.compile_cache_dir)
+    if unusable is None:
+        return
+    if unusable.named_by is None:
+        say(f"compile caches: {unusable.folder} cannot be written ({unusable.reason}), so this launch compiles into "
+            f"{compile_cache.inductor_cache()}, which later launches reuse only until /tmp is emptied; set "
+            f"{compile_cache.COMPILE_CACHE_ENV} to a writable folder to keep them.")
+        return
+    named = (f"{run.source_of('compile_cache_dir')}: `compile_cache_dir: {run.finetune.compile_cache_dir}`"
+             if unusable.named_by == "compile_cache_dir" else
+             f"environment: {unusable.named_by}={os.environ[unusable.named_by]}")
+    raise UserError(f"{named} names a compile cache folder that cannot be written ({unusable.folder}: "
+                    f"{unusable.reason}); point it at a writable folder, or unset it to keep the caches in "
+                    f"{compile_cache.default_compile_cache()}.")
 
 
 def check_mlflow_installed(training, source: str) -> None:
@@ -461,6 +483,7 @@ RUN_CHECKS = (
     check_data_found,
     check_packages,
     check_chat_template,
+    check_compile_cache,
     fp8.check,
     check_launch,
     check_relaunch,

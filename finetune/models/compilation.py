@@ -28,7 +28,7 @@ import torch
 from transformers import TrainerCallback
 
 from finetune import patches
-from finetune.compile_cache import compile_cache, keep_compile_caches
+from finetune.compile_cache import compile_cache, inductor_cache, keep_compile_caches
 from finetune.errors import say
 from finetune.families import family_of, load_architecture
 from finetune.json_files import read_object
@@ -226,7 +226,7 @@ class CompileNotice(TrainerCallback):
         seconds = self._previous().get(self.key)
         if seconds is None:
             say(f"compiling the decoder layer once before the first step: a minute or more the first time; later "
-                f"launches reuse it from {compile_cache()}")
+                f"launches reuse it from {inductor_cache()}")
         else:
             say(f"compiling the decoder layer once before the first step: about {seconds:.0f} s (the previous launch "
                 f"of {self.key})")
