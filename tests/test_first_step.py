@@ -156,7 +156,7 @@ def test_the_compile_line_says_the_previous_launch_s_time(monkeypatch, tmp_path,
     first.on_step_end(args, state, control)
     compilation.CompileNotice(model, "LoRA", False, is_main_process=True).on_train_begin(args, state, control)
     assert ("compiling the decoder layer once before the first step: about 51 s (the previous launch of llama "
-            "3072x28 LoRA on cpu)") in capsys.readouterr().out
+            f"3072x28 LoRA on cpu, torch {torch.__version__})") in capsys.readouterr().out
 
     monkeypatch.setenv("FINETUNE_COMPILE_CACHE", str(tmp_path / "elsewhere"))  # the user's own inductor folder is named
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
@@ -223,17 +223,27 @@ def test_gpt_oss_120b_repays_its_compile_in_fewer_steps_than_20b_by_its_own_meas
     assert not twenty_b.training.torch_compile
 
 
-def test_a_short_run_compiles_where_this_machine_compiled_the_recipe_before(monkeypatch, tmp_path):
+def test_a_short_run_compiles_where_this_machine_compiled_the_same_model_with_the_same_torch_before(monkeypatch,
+                                                                                                   tmp_path):
+    """The first step's record of this model's shape, method, device and torch says its graphs are in the caches;
+    another size of the family (GPT-OSS-120B), another torch (whose cache keys differ) or checkpointing do not."""
+    from finetune.families import load_architecture
     from finetune.models import compilation
 
     monkeypatch.setenv("FINETUNE_COMPILE_CACHE", str(tmp_path))
-    (tmp_path / compilation.FIRST_STEPS).write_text(json.dumps({"gpt_oss 2880x24 LoRA on NVIDIA H100 80GB HBM3": 95.0}))
-    smoke = _gpu_run("gpt-oss-20b/lora.yaml", "--max_steps", "10")
-    compilation.compile_only_if_it_pays(smoke, "openai/gpt-oss-20b", rows=100_000)
-    assert smoke.training.torch_compile
-    checkpointed = _gpu_run("gpt-oss-20b/lora.yaml", "--max_steps", "10", "--gradient_checkpointing", "true")
-    compilation.compile_only_if_it_pays(checkpointed, "openai/gpt-oss-20b", rows=100_000)  # other graphs: not compiled here
-    assert not checkpointed.training.torch_compile
+    records = tmp_path / compilation.FIRST_STEPS
+
+    def short_run_compiles(record: str, *flags: str) -> bool:
+        records.write_text(json.dumps({record: 95.0}))
+        smoke = _gpu_run("gpt-oss-20b/lora.yaml", "--max_steps", "10", *flags)
+        compilation.compile_only_if_it_pays(smoke, "openai/gpt-oss-20b", rows=100_000)
+        return smoke.training.torch_compile
+
+    twenty_b = compilation.first_step_key(load_architecture("openai/gpt-oss-20b"), "LoRA", False)
+    assert short_run_compiles(twenty_b)
+    assert not short_run_compiles(twenty_b, "--gradient_checkpointing", "true")  # other graphs: not compiled here
+    assert not short_run_compiles(compilation.first_step_key(load_architecture("openai/gpt-oss-120b"), "LoRA", False))
+    assert not short_run_compiles(twenty_b.replace(f"torch {torch.__version__}", "torch 2.12.0"))
 
 
 @pytest.mark.parametrize("gpu", [True, False], ids=["gpu", "cpu"])

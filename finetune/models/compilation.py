@@ -31,7 +31,7 @@ from finetune import patches
 from finetune.compile_cache import compile_cache, inductor_cache, keep_compile_caches
 from finetune.errors import say
 from finetune.families import family_of, load_architecture
-from finetune.json_files import read_object
+from finetune.json_files import read_object, write_atomically
 
 DYNAMO_BACKEND_ENV = "ACCELERATE_DYNAMO_BACKEND"
 
@@ -99,7 +99,7 @@ def compile_only_if_it_pays(run, model_path: str, rows: int) -> None:
         return
     family, method = family_of(model_path).name, "LoRA" if run.model.use_peft else "full"
     cost = _compile_cost(family, method, bool(training.gradient_checkpointing), model_path)
-    if cost is None or _compiled_here_before(family, method, training.gradient_checkpointing):
+    if cost is None or _compiled_here_before(model_path, method, training.gradient_checkpointing):
         return
     tokens_per_step = training.per_device_train_batch_size * training.gradient_accumulation_steps * \
         (training.max_length or 1024)
@@ -128,12 +128,22 @@ def _compile_cost(family: str, method: str, checkpointing: bool, model_path: str
     return COMPILE_COSTS.get((family, method, checkpointing, None))
 
 
-def _compiled_here_before(family: str, method: str, checkpointing: bool) -> bool:
-    """Whether a compiled launch of this family and method reached its first step on this machine (CompileNotice's
-    record in the compile cache folder): its graphs are then in the caches."""
-    return any(key.split(" ")[0] == family.replace("-", "_") and f" {method}" in key
-               and (" checkpointed" in key) == bool(checkpointing)
-               for key in read_object(compile_cache() / FIRST_STEPS))
+def _compiled_here_before(model_path: str, method: str, checkpointing: bool) -> bool:
+    """Whether a compiled launch of this model (its shape), method, GPU and torch reached its first step on this
+    machine (CompileNotice's record in the compile cache folder): its graphs are then in the caches. Another size of
+    the family, another GPU or another torch finds none of them there (torch's cache keys hold its version)."""
+    try:
+        config = load_architecture(model_path)
+    except (OSError, ValueError):  # no config.json to read offline: counted as never compiled
+        return False
+    return first_step_key(config, method, checkpointing) in read_object(compile_cache() / FIRST_STEPS)
+
+
+def first_step_key(config, method: str, checkpointing: bool) -> str:
+    """How first_steps.json names a compiled launch."""
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return (f"{config.model_type} {config.hidden_size}x{config.num_hidden_layers} {method}"
+            f"{' checkpointed' if checkpointing else ''} on {device}, torch {torch.__version__}")
 
 
 def compile_per_layer(training) -> list[TrainerCallback]:
@@ -211,9 +221,7 @@ class CompileNotice(TrainerCallback):
     launch's time is kept for the next one (first_steps.json in the compile cache folder)."""
 
     def __init__(self, model, method: str, checkpointing: bool, is_main_process: bool):
-        device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-        self.key = (f"{model.config.model_type} {model.config.hidden_size}x{model.config.num_hidden_layers} "
-                    f"{method}{' checkpointed' if checkpointing else ''} on {device}")
+        self.key = first_step_key(model.config, method, checkpointing)
         self.path = compile_cache() / FIRST_STEPS
         self.is_main_process = is_main_process
         self.began = None
@@ -238,6 +246,6 @@ class CompileNotice(TrainerCallback):
         self.began = None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.path.write_text(json.dumps(figures, indent=1) + "\n")
+            write_atomically(self.path, json.dumps(figures, indent=1) + "\n")  # two launches may end their step at once
         except OSError:
             pass  # a read-only home: the next launch says no figure, nothing else changes
