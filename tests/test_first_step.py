@@ -143,6 +143,36 @@ def test_a_compile_cache_folder_that_cannot_be_written_is_refused_when_named_and
         f"set FINETUNE_COMPILE_CACHE to a writable folder to keep them.")
 
 
+def test_a_compile_cache_folder_that_fills_up_while_compiling_ends_in_one_sentence_with_the_fixes(tmp_path, capfd,
+                                                                                                   monkeypatch):
+    """The compiler writes its sources and libraries into the cache folder: a full disk there failed the first step
+    with inductor's traceback of the C++ build. Raised here by a patched training step, in this process."""
+    import runpy
+
+    from torch._inductor.exc import CppCompileError, InductorError
+
+    from finetune.compile_cache import inductor_cache
+    from finetune.run.trainer import FinetuneTrainer
+
+    def training_step(*args, **kwargs):
+        raise InductorError(CppCompileError(["g++", "kernel.cpp"], "/usr/bin/ld: final link failed: No space left on "
+                                                                   "device"), None)
+
+    monkeypatch.setattr(FinetuneTrainer, "training_step", training_step)
+    script = str(ROOT / "scripts" / "sft.py")
+    monkeypatch.setattr(sys, "argv", [script, "--config", str(ROOT / "recipes" / "llama-3.2-3b" / "lora.yaml"),
+                                      "--tiny", "--max_steps", "2", "--output_dir", str(tmp_path / "out"),
+                                      "--eval_strategy", "no", "--save_strategy", "no",
+                                      "--eval_samples_before_after", "0"])
+    with pytest.raises(SystemExit) as exit:
+        runpy.run_path(script, run_name="__main__")
+    err = capfd.readouterr().err
+    assert exit.value.code == 2 and "Traceback" not in err, err
+    assert (f"error: {inductor_cache()}: compiling could not write into the compile cache folder (no space left on "
+            f"the device); free space there, move the caches with --compile_cache_dir, or run eager with "
+            f"--torch_compile false.") in err
+
+
 def test_the_compile_line_says_the_previous_launch_s_time(monkeypatch, tmp_path, capsys):
     from finetune.models import compilation
 

@@ -50,14 +50,22 @@ IO_WORDS = {"no space left": errno.ENOSPC, "storagefull": errno.ENOSPC, "permiss
 UNSPECIFIC_WRITE_FAILURES = ("file write failed", "unexpected pos", "ioerror", "error while serializing")
 
 
-def save_failure_reason(error: BaseException, folder: str | Path | None = None) -> str | None:
-    """'no space left on the device' and the like when a save failed for a reason in the user's hands, else None."""
+def io_failure_reason(error: BaseException) -> str | None:
+    """'no space left on the device' and the like, where the error's errno or its message names one."""
     if isinstance(error, OSError) and error.errno in IO_ERRNOS:
         return IO_ERRNOS[error.errno]
     text = str(error).lower().replace(" ", "")
     for words, code in IO_WORDS.items():
         if words.replace(" ", "") in text:
             return IO_ERRNOS[code]
+    return None
+
+
+def save_failure_reason(error: BaseException, folder: str | Path | None = None) -> str | None:
+    """'no space left on the device' and the like when a save failed for a reason in the user's hands, else None."""
+    if reason := io_failure_reason(error):
+        return reason
+    text = str(error).lower().replace(" ", "")
     if isinstance(error, OSError) or any(words.replace(" ", "") in text for words in UNSPECIFIC_WRITE_FAILURES):
         free = _free_bytes(folder)
         if free is not None and free < 16 * 2**20:

@@ -6,12 +6,14 @@ import json
 from pathlib import Path
 
 import torch
+from torch._dynamo.exc import BackendCompilerFailed
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel, TrainerCallback
 from trl import SFTTrainer
 
 from finetune import json_files, outcome, patches, run_folder
 from finetune.checks import launch as launch_checks
+from finetune.compile_cache import inductor_cache
 from finetune.checks import model_folder, resume
 from finetune.checks.relaunch import run_identity, training_length
 from finetune.config.launch_request import ExportedLaunch
@@ -246,6 +248,13 @@ def train_and_save(trainer: SFTTrainer, run: RunConfig, tokenizer) -> None:
             say(f"{resume_from} is at max_steps: nothing left to train; writing the final model from it.")
         except torch.OutOfMemoryError:
             raise out_of_memory.as_user_error(run, trainer.state.global_step + 1) from None
+        except BackendCompilerFailed as failed:  # the compiler writes its code into the compile cache folder
+            reason = saving.io_failure_reason(failed.inner_exception)
+            if reason is None:
+                raise
+            raise UserError(f"{inductor_cache()}: compiling could not write into the compile cache folder ({reason}); "
+                            f"free space there, move the caches with --compile_cache_dir, or "
+                            f"run eager with --torch_compile false.") from None
     saving.exit_if_preempted(trainer)  # SIGTERM: the checkpoint is saved; exit 143 without the final save
     saving.save_final_completely(trainer, output_dir)
     with saving.writes_reported(output_dir):
