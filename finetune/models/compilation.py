@@ -23,12 +23,13 @@ import os
 import time
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 
 import torch
 from transformers import TrainerCallback
 
 from finetune import patches
-from finetune.compile_cache import compile_cache, inductor_cache, keep_compile_caches
+from finetune.compile_cache import inductor_cache, keep_compile_caches
 from finetune.errors import say
 from finetune.families import family_of, load_architecture
 from finetune.json_files import read_object, write_atomically
@@ -130,13 +131,13 @@ def _compile_cost(family: str, method: str, checkpointing: bool, model_path: str
 
 def _compiled_here_before(model_path: str, method: str, checkpointing: bool) -> bool:
     """Whether a compiled launch of this model (its shape), method, GPU and torch reached its first step on this
-    machine (CompileNotice's record in the compile cache folder): its graphs are then in the caches. Another size of
+    machine (CompileNotice's record beside Inductor's caches): its graphs are then in the caches. Another size of
     the family, another GPU or another torch finds none of them there (torch's cache keys hold its version)."""
     try:
         config = load_architecture(model_path)
     except (OSError, ValueError):  # no config.json to read offline: counted as never compiled
         return False
-    return first_step_key(config, method, checkpointing) in read_object(compile_cache() / FIRST_STEPS)
+    return first_step_key(config, method, checkpointing) in read_object(Path(inductor_cache()) / FIRST_STEPS)
 
 
 def first_step_key(config, method: str, checkpointing: bool) -> str:
@@ -218,11 +219,11 @@ def one_graph_for_every_layer(model, compiled: bool) -> None:
 class CompileNotice(TrainerCallback):
     """Before the first step of a compiled run, one line that says the decoder layer compiles, and for how long the
     previous launch of this model, method and GPU took, instead of a progress bar that stands still; after it, that
-    launch's time is kept for the next one (first_steps.json in the compile cache folder)."""
+    launch's time is kept for the next one (first_steps.json beside the caches it describes, in Inductor's folder)."""
 
     def __init__(self, model, method: str, checkpointing: bool, is_main_process: bool):
         self.key = first_step_key(model.config, method, checkpointing)
-        self.path = compile_cache() / FIRST_STEPS
+        self.path = Path(inductor_cache()) / FIRST_STEPS
         self.is_main_process = is_main_process
         self.began = None
 
