@@ -119,7 +119,8 @@ says what to revisit and which test fails first.
   targets: transformers 5.17-5.25, accelerate 1.15-1.16.
   guarded by: test_distributed.py::test_full_finetune_gives_the_single_process_answer[zero3],
   test_deepspeed_flag.py::test_zero3_init_flag_false_loads_the_model_whole and
-  test_deepspeed_flag.py::test_accelerate_launch_use_deepspeed_flags_reach_the_engine_and_the_saved_model.
+  test_deepspeed_flag.py::
+  test_accelerate_launch_use_deepspeed_flags_reach_the_engine_and_a_save_without_the_gather_is_fixed_as_it_says.
 - `nvme_paths_accelerate_does_not_export`
   does: gives the training arguments, while they build accelerate's DeepSpeedPlugin, the launch's
   `offload_optimizer_nvme_path` and `offload_param_nvme_path` (flags or deepspeed_config fields) in the variables the

@@ -13,9 +13,9 @@ from trl import SFTTrainer
 
 from finetune import json_files, outcome, patches, run_folder
 from finetune.checks import launch as launch_checks
-from finetune.compile_cache import inductor_cache
 from finetune.checks import model_folder, resume
 from finetune.checks.relaunch import run_identity, training_length
+from finetune.compile_cache import inductor_cache
 from finetune.config.launch_request import ExportedLaunch
 from finetune.errors import UserError, say
 from finetune.models import compilation, expert_lora, fp8, mxfp4_experts
